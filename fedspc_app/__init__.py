@@ -1,0 +1,1 @@
+"""FedSPC: shared-parameter correction for personalized federated learning, as a Flower app."""

@@ -1,0 +1,13 @@
+"""Errors raised for bad user input, before any training starts."""
+
+
+class FedSPCError(Exception):
+    """Base class of every error this project raises on purpose."""
+
+
+class ConfigError(FedSPCError, ValueError):
+    """A run-config value is unknown, out of range or inconsistent."""
+
+
+class DataError(FedSPCError, RuntimeError):
+    """A dataset is missing, corrupt or cannot be partitioned as asked."""
