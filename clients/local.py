@@ -1,0 +1,240 @@
+"""Local training and evaluation of any registered method on one client.
+
+:func:`train_client` executes a :class:`~fedspc_app.methods.Method` description:
+it assembles the model from the received shared parameters and the client's own
+personalized ones, runs each phase with the one training loop, adding a
+:class:`~fedspc_app.training.ProximalTerm` where the phase asks for one and a
+:class:`~fedspc_app.training.DriftCorrection` on the shared block when the control
+variates are on (FedSPC, SCAFFOLD), then computes the new local reference
+(Algorithm 1, step 3). Nothing here touches Flower messages or ``context.state``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from clients.state import ClientState
+from fedspc_app.config import RunConfig
+from fedspc_app.correction import add, reference_change, shared_update, zeros_like
+from fedspc_app.methods import Method
+from fedspc_app.task import (
+    ArrayDict,
+    ClientData,
+    ParameterSplit,
+    load_arrays,
+    seeded_generator,
+    state_arrays,
+)
+from fedspc_app.training import DriftCorrection, ProximalTerm, evaluate_model, train_epochs
+
+
+@dataclass(frozen=True)
+class TrainOutcome:
+    """The result of one round of local training.
+
+    Attributes
+    ----------
+    shared : dict
+        The client's final shared parameters ``theta_{s,k}^{t,E}`` (to upload).
+    state : ClientState
+        The client state to commit.
+    shared_steps : int
+        ``E``: optimizer steps that updated the shared block.
+    reference_change : dict | None
+        ``u_k^{t+1} - u_k^t`` when the control variates are on.
+    metrics : dict
+        Scalars for the reply (train loss, examples, steps).
+    """
+
+    shared: ArrayDict
+    state: ClientState
+    shared_steps: int
+    reference_change: ArrayDict | None
+    metrics: dict[str, int | float]
+
+
+@dataclass(frozen=True)
+class EvaluateOutcome:
+    """Personalized test metrics of one client."""
+
+    correct: int
+    examples: int
+    loss_sum: float
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.examples if self.examples else float("nan")
+
+
+def uses_control_variates(method: Method, config: RunConfig) -> bool:
+    """SCAFFOLD always; any other method when ``fedspc = true``."""
+    return method.control_variates or config.fedspc
+
+
+def _tensors(arrays: Mapping[str, np.ndarray], keys, device) -> dict[str, torch.Tensor]:
+    return {key: torch.as_tensor(arrays[key]).to(device) for key in keys}
+
+
+def assemble(model: nn.Module, split: ParameterSplit, received: Mapping[str, np.ndarray],
+             state: ClientState) -> nn.Module:
+    """Load the received shared entries and the client's personalized ones.
+
+    Before a client's first round its personalized entries are those of the
+    common initial model (every party builds it from the run seed).
+    """
+    load_arrays(model, received)
+    if state.personal is not None:
+        load_arrays(model, state.personal)
+    return model
+
+
+def train_client(
+    *,
+    config: RunConfig,
+    method: Method,
+    model: nn.Module,
+    split: ParameterSplit,
+    received: Mapping[str, np.ndarray],
+    state: ClientState,
+    data: ClientData,
+    global_reference: Mapping[str, np.ndarray] | None = None,
+    server_round: int = 1,
+    partition_id: int = 0,
+) -> TrainOutcome:
+    """Run one round of ``method``'s local training on this client.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A freshly built model of the run (its personalized entries are replaced by
+        the client's state when there is one).
+    received : dict
+        The shared entries broadcast by the server, ``theta_s^t``.
+    global_reference : dict | None
+        ``u_bar^t`` (SCAFFOLD's ``c``) over ``split.corrected``; required when the
+        control variates are on.
+    """
+    correct_shared = uses_control_variates(method, config)
+    if correct_shared and global_reference is None:
+        raise ValueError("the control variates are on but no global reference was sent")
+    device = data.device
+    model = assemble(model, split, received, state).to(device)
+    personal_model = None
+    if method.personal_model:
+        personal_model = copy.deepcopy(model)
+        load_arrays(personal_model, state.personal_model or received)
+
+    local_reference = None
+    correction = None
+    if correct_shared:
+        local_reference = state.local_reference or zeros_like(received, split.corrected)
+        # -u_k + u_bar, added to every shared gradient (Algorithm 1, step 2).
+        correction = {
+            key: torch.as_tensor(global_reference[key] - local_reference[key]).to(device)
+            for key in split.corrected
+        }
+    anchor = _tensors(received, [k for k in split.shared if k in split.parameters], device)
+
+    generator = seeded_generator(config.seed, server_round, partition_id, "train")
+    batches = data.batches("train", generator)
+    shared_steps = 0
+    last_loss = float("nan")
+    examples = 0
+    for phase in method.phases:
+        target = personal_model if phase.model == "personal" else model
+        trainable = split.trainable(phase.train)
+        hooks = []
+        if phase.proximal is not None:
+            mu = float(getattr(config, phase.proximal))
+            hooks.append(ProximalTerm({k: anchor[k] for k in trainable if k in anchor}, mu))
+        updates_shared = phase.model == "shared" and any(k in anchor for k in trainable)
+        if correction is not None and updates_shared:
+            hooks.append(DriftCorrection({k: correction[k] for k in trainable if k in correction}))
+        result = train_epochs(
+            target,
+            batches,
+            epochs=int(getattr(config, phase.epochs)),
+            trainable=trainable,
+            learning_rate=config.learning_rate,
+            momentum=config.momentum,
+            weight_decay=config.weight_decay,
+            hooks=hooks,
+        )
+        if updates_shared:
+            shared_steps += result.steps
+        if result.examples:
+            last_loss = result.mean_loss
+            examples = max(examples, result.examples)
+
+    final_shared = state_arrays(model, split.shared)
+    change = None
+    new_reference = None
+    if correct_shared:
+        update = shared_update(final_shared, received, split.corrected)
+        change = reference_change(
+            update, global_reference, steps=shared_steps, learning_rate=config.learning_rate
+        )
+        new_reference = add(local_reference, change)
+
+    new_state = ClientState(
+        personal=state_arrays(model, split.personal) if split.personal else None,
+        local_reference=new_reference,
+        personal_model=(
+            state_arrays(personal_model, personal_model.state_dict().keys())
+            if personal_model is not None else None
+        ),
+        rounds_trained=state.rounds_trained + 1,
+    )
+    metrics = {
+        "num-examples": int(len(data.train_indices)),
+        "train-loss": float(last_loss),
+        "shared-steps": int(shared_steps),
+    }
+    return TrainOutcome(final_shared, new_state, shared_steps, change, metrics)
+
+
+def evaluate_client(
+    *,
+    config: RunConfig,
+    method: Method,
+    model: nn.Module,
+    split: ParameterSplit,
+    received: Mapping[str, np.ndarray],
+    state: ClientState,
+    data: ClientData,
+    server_round: int = 1,
+    partition_id: int = 0,
+) -> EvaluateOutcome:
+    """Personalized accuracy of this client on its own test split.
+
+    The evaluated model is the received shared block plus the client's
+    personalized entries; Ditto evaluates its personal model ``v_k``; FedBABU first
+    fine-tunes (a throw-away copy) on the client's training data. Nothing here
+    changes the client state.
+    """
+    device = data.device
+    if method.personal_model:
+        load_arrays(model, state.personal_model or received)
+    else:
+        assemble(model, split, received, state)
+    model = model.to(device)
+    if method.finetune_before_eval and config.fedbabu_finetune_epochs > 0:
+        block = "all" if config.fedbabu_finetune_parts == "all" else "head"
+        train_epochs(
+            model,
+            data.batches("train", seeded_generator(config.seed, server_round, partition_id,
+                                                   "finetune")),
+            epochs=config.fedbabu_finetune_epochs,
+            trainable=split.trainable(block),
+            learning_rate=config.learning_rate,
+            momentum=config.momentum,
+            weight_decay=config.weight_decay,
+        )
+    correct, examples, loss_sum = evaluate_model(model, data.batches("test")())
+    return EvaluateOutcome(correct, examples, loss_sum)

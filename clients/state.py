@@ -1,0 +1,70 @@
+"""What a client keeps between rounds, stored in Flower's ``context.state``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+
+from fedspc_app.task import ArrayDict, from_record, to_record
+
+PERSONAL = "personal"
+LOCAL_REFERENCE = "local-reference"
+PERSONAL_MODEL = "personal-model"
+INFO = "client-info"
+
+
+@dataclass(frozen=True)
+class ClientState:
+    """A client's persistent state.
+
+    Attributes
+    ----------
+    personal : dict | None
+        The personalized state-dict entries (e.g. FedPer's head); ``None`` before
+        the first round, when they come from the common initial model.
+    local_reference : dict | None
+        ``u_k`` of FedSPC (``c_k`` of SCAFFOLD) over the shared trainable
+        parameters; ``None`` means zero (``u_k^0 = 0``).
+    personal_model : dict | None
+        Ditto's personal model ``v_k`` (every state-dict entry).
+    rounds_trained : int
+        Number of training rounds this client completed.
+    """
+
+    personal: ArrayDict | None = None
+    local_reference: ArrayDict | None = None
+    personal_model: ArrayDict | None = None
+    rounds_trained: int = 0
+
+    @classmethod
+    def load(cls, records: RecordDict) -> "ClientState":
+        """Read the state from ``context.state`` (empty on a client's first round)."""
+
+        def arrays(key: str) -> ArrayDict | None:
+            return from_record(records[key]) if key in records else None
+
+        info = records[INFO] if INFO in records else ConfigRecord()
+        return cls(
+            personal=arrays(PERSONAL),
+            local_reference=arrays(LOCAL_REFERENCE),
+            personal_model=arrays(PERSONAL_MODEL),
+            rounds_trained=int(info.get("rounds-trained", 0)),
+        )
+
+    def commit(self, records: RecordDict) -> None:
+        """Write the state into ``context.state``; call only after a round succeeded."""
+        staged: dict[str, ArrayRecord] = {}
+        for key, value in (
+            (PERSONAL, self.personal),
+            (LOCAL_REFERENCE, self.local_reference),
+            (PERSONAL_MODEL, self.personal_model),
+        ):
+            if value is not None:
+                staged[key] = to_record(value)
+        for key, record in staged.items():
+            records[key] = record
+        records[INFO] = ConfigRecord({"rounds-trained": self.rounds_trained})
+
+    def replace(self, **changes) -> "ClientState":
+        return replace(self, **changes)

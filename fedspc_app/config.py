@@ -1,0 +1,249 @@
+"""The run-config: flat kebab-case keys, parsed once into a typed, validated object.
+
+Flower hands both the ServerApp and every ClientApp the same run-config
+(``context.run_config``: the ``[tool.flwr.app.config]`` table of pyproject.toml,
+overridden by ``flwr run --run-config``). :func:`parse_run_config` turns it into a
+:class:`RunConfig`; nothing else in the project reads raw run-config keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from fedspc_app.errors import ConfigError
+
+DATASETS = ("digits", "cifar10", "cifar100", "tinyimagenet")
+MODELS = ("cnn", "resnet34", "vgg11", "vit")
+AGGREGATIONS = ("mean", "weighted")
+AUGMENTS = ("auto", "none", "crop-flip")
+DEVICES = ("auto", "cpu", "cuda")
+REFERENCE_UPLOADS = ("derived", "explicit")
+FINETUNE_PARTS = ("all", "head")
+
+
+def _key(name: str) -> str:
+    return name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every setting of a run. Field ``foo_bar`` is run-config key ``foo-bar``.
+
+    Defaults are those of ``[tool.flwr.app.config]`` in pyproject.toml (a quick,
+    offline run on the embedded digits dataset); the paper's values are in the
+    README's configuration table and in the presets under ``conf/``.
+    """
+
+    # What to train
+    dataset: str = "digits"
+    data_dir: str = ""
+    download: bool = True
+    model: str = "cnn"
+    vit_embed_dim: int = 768
+    method: str = "fedavg"
+    fedspc: bool = False
+    fedspc_upload: str = "derived"
+
+    # Federation
+    num_rounds: int = 10
+    num_clients: int = 0
+    fraction_train: float = 1.0
+    aggregation: str = "mean"
+
+    # Partitioning (the paper's Dirichlet label skew)
+    alpha: float = 0.1
+    min_samples: int = 10
+    partition_max_tries: int = 1000
+    seed: int = 0
+
+    # Local training
+    batch_size: int = 64
+    local_epochs: int = 5
+    learning_rate: float = 0.02
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    augment: str = "auto"
+    device: str = "auto"
+
+    # Method options
+    proximal_mu: float = 0.01
+    fedrep_head_epochs: int = 1
+    fedbabu_finetune_epochs: int = 1
+    fedbabu_finetune_parts: str = "all"
+    ditto_lambda: float = 1.0
+    ditto_personal_epochs: int = 5
+
+    # Results
+    output_dir: str = "results"
+    run_name: str = ""
+
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def label(self) -> str:
+        """Short method label, e.g. ``fedrep+fedspc``."""
+        return f"{self.method}+fedspc" if self.fedspc else self.method
+
+    @property
+    def resolved_run_name(self) -> str:
+        """``run-name``, or one built from the settings that tell runs apart."""
+        if self.run_name:
+            return self.run_name
+        return (
+            f"{self.dataset}-{self.model}-{self.label}"
+            f"-a{self.alpha:g}-s{self.seed}"
+        )
+
+    @property
+    def run_dir(self) -> Path:
+        """Folder the results of this run go to (absolute)."""
+        return (Path(self.output_dir).expanduser() / self.resolved_run_name).resolve()
+
+    @property
+    def resolved_data_dir(self) -> Path:
+        """``data-dir``, or ``~/.cache/fedspc/data`` when empty."""
+        if self.data_dir:
+            return Path(self.data_dir).expanduser().resolve()
+        return (Path.home() / ".cache" / "fedspc" / "data").resolve()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as kebab-case keys (for results and logs)."""
+        out = {
+            _key(f.name): getattr(self, f.name) for f in fields(self) if f.name != "extra"
+        }
+        out.update(self.extra)
+        return out
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        """A copy with fields changed (snake_case names)."""
+        return dataclasses.replace(self, **changes)
+
+
+_FIELD_TYPES = {f.name: f.type for f in fields(RunConfig) if f.name != "extra"}
+
+
+def _coerce(key: str, value: Any, kind: str) -> Any:
+    """Convert one run-config value to its field's type, or raise ConfigError."""
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ConfigError(f"run-config '{key}' must be true or false, got {value!r}")
+    if kind == "int":
+        if isinstance(value, bool):
+            raise ConfigError(f"run-config '{key}' must be an integer, got {value!r}")
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"run-config '{key}' must be an integer, got {value!r}"
+            ) from None
+    if kind == "float":
+        if isinstance(value, bool):
+            raise ConfigError(f"run-config '{key}' must be a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"run-config '{key}' must be a number, got {value!r}"
+            ) from None
+    return str(value)
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(
+            f"run-config '{key}' = {value!r} is not one of: {', '.join(choices)}"
+        )
+
+
+def _at_least(key: str, value: float, low: float, *, strict: bool = False) -> None:
+    ok = value > low if strict else value >= low
+    if not ok or (isinstance(value, float) and not math.isfinite(value)):
+        relation = ">" if strict else ">="
+        raise ConfigError(f"run-config '{key}' must be {relation} {low:g}, got {value!r}")
+
+
+def validate(config: RunConfig) -> RunConfig:
+    """Check ranges and names; return the config unchanged or raise ConfigError."""
+    from fedspc_app.methods import METHODS  # the registry imports this module
+
+    _choice("dataset", config.dataset, DATASETS)
+    _choice("model", config.model, MODELS)
+    _choice("method", config.method, tuple(METHODS))
+    _choice("aggregation", config.aggregation, AGGREGATIONS)
+    _choice("augment", config.augment, AUGMENTS)
+    _choice("device", config.device, DEVICES)
+    _choice("fedspc-upload", config.fedspc_upload, REFERENCE_UPLOADS)
+    _choice("fedbabu-finetune-parts", config.fedbabu_finetune_parts, FINETUNE_PARTS)
+    _at_least("alpha", config.alpha, 0.0, strict=True)
+    _at_least("num-rounds", config.num_rounds, 1)
+    _at_least("num-clients", config.num_clients, 0)
+    _at_least("min-samples", config.min_samples, 1)
+    _at_least("partition-max-tries", config.partition_max_tries, 1)
+    _at_least("batch-size", config.batch_size, 1)
+    _at_least("local-epochs", config.local_epochs, 1)
+    _at_least("learning-rate", config.learning_rate, 0.0, strict=True)
+    _at_least("momentum", config.momentum, 0.0)
+    _at_least("weight-decay", config.weight_decay, 0.0)
+    _at_least("proximal-mu", config.proximal_mu, 0.0)
+    _at_least("fedrep-head-epochs", config.fedrep_head_epochs, 0)
+    _at_least("fedbabu-finetune-epochs", config.fedbabu_finetune_epochs, 0)
+    _at_least("ditto-lambda", config.ditto_lambda, 0.0)
+    _at_least("ditto-personal-epochs", config.ditto_personal_epochs, 1)
+    _at_least("vit-embed-dim", config.vit_embed_dim, 12)
+    if not 0.0 < config.fraction_train <= 1.0 or not math.isfinite(config.fraction_train):
+        raise ConfigError(
+            f"run-config 'fraction-train' must be in (0, 1], got {config.fraction_train!r}"
+        )
+    if config.momentum >= 1.0:
+        raise ConfigError(f"run-config 'momentum' must be < 1, got {config.momentum!r}")
+    if config.vit_embed_dim % 12:
+        raise ConfigError(
+            f"run-config 'vit-embed-dim' must be divisible by the 12 heads, "
+            f"got {config.vit_embed_dim}"
+        )
+    if METHODS[config.method].control_variates and config.fedspc:
+        raise ConfigError(
+            f"method '{config.method}' already corrects every shared parameter; "
+            "set fedspc = false (FedSPC on fedavg with everything shared is SCAFFOLD)"
+        )
+    if "/" in config.run_name or config.run_name in (".", ".."):
+        raise ConfigError(f"run-config 'run-name' must be a plain name, got {config.run_name!r}")
+    if not config.output_dir:
+        raise ConfigError("run-config 'output-dir' must not be empty")
+    return config
+
+
+def parse_run_config(run_config: Mapping[str, Any]) -> RunConfig:
+    """Parse Flower's run-config (kebab-case keys) into a validated RunConfig.
+
+    Unknown keys are an error (a typo would otherwise silently fall back to a
+    default), except keys starting with ``x-``, which are kept in ``extra`` for
+    users' own extensions.
+    """
+    values: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    known = {_key(name): name for name in _FIELD_TYPES}
+    for key, value in run_config.items():
+        if key in known:
+            name = known[key]
+            values[name] = _coerce(key, value, _FIELD_TYPES[name])
+        elif key.startswith("x-"):
+            extra[key] = value
+        else:
+            close = [k for k in known if k.split("-")[0] == key.split("-")[0]]
+            hint = f" (did you mean: {', '.join(sorted(close))}?)" if close else ""
+            raise ConfigError(f"unknown run-config key '{key}'{hint}")
+    return validate(RunConfig(**values, extra=extra))

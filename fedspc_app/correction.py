@@ -1,0 +1,59 @@
+"""The FedSPC / SCAFFOLD arithmetic shared by the client and the server.
+
+Both sides compute the shared update and the reference change with these
+functions, on the same float32 arrays (the server's broadcast and the client's
+reply), so a reference change derived by the server is bit-identical to the one
+the client applies to its own ``u_k``.
+
+Notation (the paper's Algorithm 1): ``theta_s`` the shared parameters, ``u_bar``
+the server's global drift reference, ``u_k`` client k's local reference, ``E`` the
+number of optimizer steps that updated the shared block in the round, ``eta`` the
+local learning rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+ArrayDict = dict[str, np.ndarray]
+
+
+def shared_update(final: Mapping[str, np.ndarray], initial: Mapping[str, np.ndarray],
+                  keys: Iterable[str]) -> ArrayDict:
+    """``Delta theta_k = theta_{s,k}^{t,E} - theta_s^t`` over ``keys`` (float32)."""
+    return {
+        key: np.subtract(final[key], initial[key], dtype=np.float32) for key in keys
+    }
+
+
+def reference_change(update: Mapping[str, np.ndarray],
+                     global_reference: Mapping[str, np.ndarray], *, steps: int,
+                     learning_rate: float) -> ArrayDict:
+    """``u_k^{t+1} - u_k^t = -u_bar^t - Delta theta_k / (E eta)`` (Algorithm 1, step 3).
+
+    This is also SCAFFOLD's option-II control-variate update
+    ``c_k^+ - c_k = -c + (x - y_k) / (K eta)``. ``update`` and ``global_reference``
+    have the same keys (the corrected parameters).
+    """
+    if steps <= 0:
+        raise ValueError(
+            "the reference change needs at least one optimizer step on the shared "
+            f"block, got {steps}"
+        )
+    scale = np.float32(1.0 / (steps * learning_rate))
+    return {
+        key: (-global_reference[key] - update[key] * scale).astype(np.float32, copy=False)
+        for key in global_reference
+    }
+
+
+def zeros_like(arrays: Mapping[str, np.ndarray], keys: Iterable[str]) -> ArrayDict:
+    """Zero float32 arrays shaped like ``arrays[key]`` for each key (``u^0 = 0``)."""
+    return {key: np.zeros(np.shape(arrays[key]), dtype=np.float32) for key in keys}
+
+
+def add(base: Mapping[str, np.ndarray], change: Mapping[str, np.ndarray]) -> ArrayDict:
+    """``base + change`` key by key (float32)."""
+    return {key: np.add(base[key], change[key], dtype=np.float32) for key in base}

@@ -1,0 +1,703 @@
+"""Dirichlet label-skew partitions of a labelled dataset over federated clients.
+
+This implements the partitioning scheme of the FedSPC paper. For every class
+``c`` a vector of client proportions ``p_c ~ Dir(alpha * 1_K)`` is drawn; the
+class's training images are split over the ``K`` clients by ``p_c`` and the
+*same* ``p_c`` splits that class's official test images. Each client's test
+split therefore follows its own training label distribution, and since train
+and test indices come from different sets nothing leaks between them. The
+draw is repeated (all classes at once) until every client has at least
+``min_samples`` training images and at least one test image.
+
+Small ``alpha`` gives strong label skew (each class lands almost entirely on
+one client); large ``alpha`` approaches an IID split.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import numbers
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from fedspc_app.errors import ConfigError, DataError
+
+__all__ = [
+    "Partition",
+    "dirichlet_partition",
+    "plot_partition",
+    "plot_partitions",
+    "save_partition",
+    "load_partition_counts",
+]
+
+PARTITION_JSON = "partition.json"
+PARTITION_CSV = "partition.csv"
+
+
+def _frozen_index_array(values: Any, what: str) -> np.ndarray:
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise ConfigError(f"{what} must be a 1-D index array, got shape {array.shape}")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise ConfigError(f"{what} must hold integers, got dtype {array.dtype}")
+    array = np.array(array, dtype=np.int64, copy=True)
+    array.setflags(write=False)
+    return array
+
+
+@dataclass(frozen=True, eq=False)
+class Partition:
+    """A Dirichlet label-skew partition of a training and a test set.
+
+    Produced by :func:`dirichlet_partition` (the FedSPC paper's scheme): class
+    ``c``'s training and test images are both split over the clients by the
+    same proportions ``proportions[c]`` drawn from ``Dir(alpha * 1_K)``.
+
+    Attributes
+    ----------
+    num_clients : int
+        Number of clients ``K``.
+    num_classes : int
+        Number of classes ``C``.
+    alpha : float
+        Dirichlet concentration used for every class.
+    seed : int
+        Seed of the ``numpy.random.Generator`` the partition was drawn with.
+    train_indices : tuple of numpy.ndarray
+        One sorted ``int64`` array per client of indices into the training set.
+    test_indices : tuple of numpy.ndarray
+        One sorted ``int64`` array per client of indices into the test set.
+    proportions : numpy.ndarray
+        ``[num_classes, num_clients]`` accepted Dirichlet draw; row ``c`` is
+        the share of class ``c`` given to each client.
+    tries : int
+        Number of draws made, the accepted one included.
+
+    Notes
+    -----
+    Instances are immutable: the index and proportion arrays are stored as
+    read-only copies. Equality compares all fields element-wise; instances are
+    not hashable.
+    """
+
+    num_clients: int
+    num_classes: int
+    alpha: float
+    seed: int
+    train_indices: tuple[np.ndarray, ...]
+    test_indices: tuple[np.ndarray, ...]
+    proportions: np.ndarray
+    tries: int
+    # Per-client, per-class counts, recorded by dirichlet_partition so that
+    # train_counts()/test_counts() need no labels.
+    _train_counts: np.ndarray | None = field(default=None, repr=False)
+    _test_counts: np.ndarray | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        train = tuple(
+            _frozen_index_array(a, f"train_indices[{k}]") for k, a in enumerate(self.train_indices)
+        )
+        test = tuple(
+            _frozen_index_array(a, f"test_indices[{k}]") for k, a in enumerate(self.test_indices)
+        )
+        if len(train) != self.num_clients or len(test) != self.num_clients:
+            raise ConfigError(
+                f"Partition has num_clients={self.num_clients} but {len(train)} train and "
+                f"{len(test)} test index arrays"
+            )
+        proportions = np.array(self.proportions, dtype=np.float64, copy=True)
+        if proportions.shape != (self.num_classes, self.num_clients):
+            raise ConfigError(
+                f"proportions must have shape (num_classes, num_clients) = "
+                f"({self.num_classes}, {self.num_clients}), got {proportions.shape}"
+            )
+        proportions.setflags(write=False)
+        object.__setattr__(self, "train_indices", train)
+        object.__setattr__(self, "test_indices", test)
+        object.__setattr__(self, "proportions", proportions)
+        for name in ("_train_counts", "_test_counts"):
+            counts = getattr(self, name)
+            if counts is None:
+                continue
+            counts = np.array(counts, dtype=np.int64, copy=True)
+            if counts.shape != (self.num_clients, self.num_classes):
+                raise ConfigError(
+                    f"{name.lstrip('_')} must have shape (num_clients, num_classes) = "
+                    f"({self.num_clients}, {self.num_classes}), got {counts.shape}"
+                )
+            counts.setflags(write=False)
+            object.__setattr__(self, name, counts)
+
+    def __repr__(self) -> str:
+        train = [int(a.size) for a in self.train_indices]
+        test = [int(a.size) for a in self.test_indices]
+        return (
+            f"Partition(num_clients={self.num_clients}, num_classes={self.num_classes}, "
+            f"alpha={self.alpha!r}, seed={self.seed}, tries={self.tries}, "
+            f"train_sizes={train}, test_sizes={test})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Partition):
+            return NotImplemented
+        return (
+            self.num_clients == other.num_clients
+            and self.num_classes == other.num_classes
+            and self.alpha == other.alpha
+            and self.seed == other.seed
+            and self.tries == other.tries
+            and np.array_equal(self.proportions, other.proportions)
+            and all(np.array_equal(a, b) for a, b in zip(self.train_indices, other.train_indices))
+            and all(np.array_equal(a, b) for a, b in zip(self.test_indices, other.test_indices))
+        )
+
+    def _counts(self, which: str) -> np.ndarray:
+        counts = self._train_counts if which == "train" else self._test_counts
+        if counts is None:
+            raise DataError(
+                f"This Partition was built without {which} counts; construct it with "
+                "dirichlet_partition(), which records them"
+            )
+        return counts.copy()
+
+    def train_counts(self) -> np.ndarray:
+        """Training images per client and class.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``int64`` array of shape ``[num_clients, num_classes]``.
+        """
+        return self._counts("train")
+
+    def test_counts(self) -> np.ndarray:
+        """Test images per client and class.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``int64`` array of shape ``[num_clients, num_classes]``.
+        """
+        return self._counts("test")
+
+    def client(self, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """Training and test indices of one client.
+
+        Parameters
+        ----------
+        partition_id : int
+            Client number in ``[0, num_clients)``.
+
+        Returns
+        -------
+        tuple of numpy.ndarray
+            ``(train_indices, test_indices)``, both sorted read-only ``int64``.
+
+        Raises
+        ------
+        ConfigError
+            If ``partition_id`` is not an integer in ``[0, num_clients)``.
+        """
+        if (
+            isinstance(partition_id, bool)
+            or not isinstance(partition_id, numbers.Integral)
+            or not 0 <= int(partition_id) < self.num_clients
+        ):
+            raise ConfigError(
+                f"partition-id must be an integer in [0, {self.num_clients - 1}] "
+                f"for num_clients={self.num_clients}, got {partition_id!r}"
+            )
+        pid = int(partition_id)
+        return self.train_indices[pid], self.test_indices[pid]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable summary (counts, not the index lists).
+
+        Returns
+        -------
+        dict
+            Keys ``scheme``, ``num_clients``, ``num_classes``, ``alpha``,
+            ``seed``, ``tries``, ``train_counts`` and ``test_counts`` (nested
+            lists ``[client][class]`` of ints).
+        """
+        return {
+            "scheme": "dirichlet-label-skew",
+            "num_clients": int(self.num_clients),
+            "num_classes": int(self.num_classes),
+            "alpha": float(self.alpha),
+            "seed": int(self.seed),
+            "tries": int(self.tries),
+            "train_counts": self.train_counts().tolist(),
+            "test_counts": self.test_counts().tolist(),
+        }
+
+
+# --------------------------------------------------------------------------- #
+# Partitioning
+# --------------------------------------------------------------------------- #
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if int(value) < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_labels(name: str, labels: Any) -> np.ndarray:
+    array = np.asarray(labels)
+    if array.ndim != 1:
+        raise DataError(f"{name} must be a 1-D array of class ids, got shape {array.shape}")
+    if array.size == 0:
+        raise DataError(f"{name} is empty")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise DataError(f"{name} must hold integer class ids, got dtype {array.dtype}")
+    array = array.astype(np.int64, copy=False)
+    if array.min() < 0:
+        raise DataError(f"{name} contains a negative class id ({int(array.min())})")
+    return array
+
+
+def _split_counts(proportions: np.ndarray, class_sizes: np.ndarray) -> np.ndarray:
+    """Images of each class given to each client.
+
+    Class ``c`` with ``n_c`` images is cut at boundaries
+    ``rint(cumsum(p_c) * n_c)`` (round half to even), the last boundary forced
+    to ``n_c``. Boundaries are non-decreasing, so every image goes to exactly
+    one client, and each boundary is within 0.5 of its exact value, so client
+    ``k`` receives within 1 image of ``p_ck * n_c``.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``int64`` array ``[num_classes, num_clients]``.
+    """
+    sizes = class_sizes.astype(np.int64)[:, None]
+    bounds = np.rint(np.cumsum(proportions, axis=1) * sizes).astype(np.int64)
+    bounds = np.minimum(bounds, sizes)
+    bounds[:, -1] = sizes[:, 0]
+    return np.diff(bounds, axis=1, prepend=0)
+
+
+def _assign(labels: np.ndarray, counts: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+    """Hand out indices by ``counts[c, k]`` after shuffling within each class.
+
+    One global permutation followed by a stable sort on the label gives every
+    class's indices in uniformly random order, grouped by class, without a
+    Python loop over classes.
+    """
+    num_clients = counts.shape[1]
+    perm = rng.permutation(labels.size)
+    grouped = perm[np.argsort(labels[perm], kind="stable")]
+    # grouped is class 0's block, then class 1's, ...; within a block, clients
+    # take consecutive runs in order 0..K-1, matching counts' row-major layout.
+    owner = np.repeat(np.tile(np.arange(num_clients), counts.shape[0]), counts.ravel())
+    by_owner = grouped[np.argsort(owner, kind="stable")]
+    splits = np.cumsum(counts.sum(axis=0))[:-1]
+    return [np.sort(part) for part in np.split(by_owner, splits)]
+
+
+def dirichlet_partition(
+    train_labels: np.ndarray,
+    test_labels: np.ndarray,
+    *,
+    num_clients: int,
+    alpha: float,
+    seed: int,
+    min_samples: int = 10,
+    max_tries: int = 1000,
+    num_classes: int | None = None,
+) -> Partition:
+    """Split a training and a test set over clients with Dirichlet label skew.
+
+    The FedSPC paper's scheme: for each class ``c`` draw
+    ``p_c ~ Dir(alpha * 1_K)``; shuffle the class's training indices and cut
+    them at ``rint(cumsum(p_c) * n_c)``; cut the class's test indices with the
+    same ``p_c``. All classes are redrawn until every client has at least
+    ``min_samples`` training images and at least one test image.
+
+    Parameters
+    ----------
+    train_labels, test_labels : numpy.ndarray
+        1-D integer class ids of the training and the (official) test set.
+    num_clients : int
+        Number of clients ``K`` (>= 1, <= number of training images).
+    alpha : float
+        Dirichlet concentration (finite, > 0). Small values give strong skew.
+    seed : int
+        Non-negative seed of the ``numpy.random.Generator``; the result is a
+        pure function of the labels, ``num_clients``, ``alpha``, ``seed``,
+        ``min_samples`` and ``num_classes``.
+    min_samples : int, default 10
+        Minimum training images per client (>= 1).
+    max_tries : int, default 1000
+        Draws attempted before giving up (>= 1).
+    num_classes : int, optional
+        Number of classes; defaults to one more than the largest label seen.
+
+    Returns
+    -------
+    Partition
+
+    Raises
+    ------
+    ConfigError
+        For invalid arguments, or when ``num_clients * min_samples`` exceeds
+        the number of training images (no draw could succeed).
+    DataError
+        For malformed labels, or when no draw within ``max_tries`` satisfies
+        the size constraints.
+
+    Notes
+    -----
+    Rounding: client ``k`` receives within one image of ``p_ck * n_c`` of
+    class ``c`` in both splits, so its test count is within ``1 + m_c / n_c``
+    of ``train_count * m_c / n_c`` (``m_c`` the class's test size).
+
+    A try only draws the ``C x K`` proportions and checks the resulting
+    counts; indices are shuffled and assigned once, for the accepted draw.
+    """
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+        raise ConfigError(f"alpha must be a positive finite number, got {alpha!r}")
+    alpha = float(alpha)
+    if not math.isfinite(alpha) or alpha <= 0.0:
+        raise ConfigError(f"alpha must be a positive finite number, got {alpha!r}")
+    num_clients = _check_int("num_clients", num_clients, 1)
+    min_samples = _check_int("min_samples", min_samples, 1)
+    max_tries = _check_int("max_tries", max_tries, 1)
+    seed = _check_int("seed", seed, 0)
+
+    train = _check_labels("train_labels", train_labels)
+    test = _check_labels("test_labels", test_labels)
+    largest = int(max(train.max(), test.max()))
+    if num_classes is None:
+        num_classes = largest + 1
+    else:
+        num_classes = _check_int("num_classes", num_classes, 1)
+        if largest >= num_classes:
+            raise ConfigError(
+                f"num_classes={num_classes} but the labels contain class id {largest}"
+            )
+
+    n_train, n_test = train.size, test.size
+    if num_clients > n_train:
+        raise ConfigError(
+            f"num_clients={num_clients} exceeds the {n_train} training images"
+        )
+    if num_clients * min_samples > n_train:
+        raise ConfigError(
+            f"num_clients={num_clients} x min_samples={min_samples} = "
+            f"{num_clients * min_samples} exceeds the {n_train} training images; "
+            "use fewer clients or a smaller min-samples"
+        )
+    if num_clients > n_test:
+        raise ConfigError(
+            f"num_clients={num_clients} exceeds the {n_test} test images, so some client "
+            "would get no test image"
+        )
+
+    train_sizes = np.bincount(train, minlength=num_classes)
+    test_sizes = np.bincount(test, minlength=num_classes)
+    rng = np.random.default_rng(seed)
+    concentration = np.full(num_clients, alpha)
+    best_train = best_test = -1
+
+    for tries in range(1, max_tries + 1):
+        proportions = rng.dirichlet(concentration, size=num_classes)
+        if not np.isfinite(proportions).all():
+            raise DataError(
+                f"numpy produced non-finite Dirichlet proportions for alpha={alpha}; "
+                "use a larger alpha"
+            )
+        train_counts = _split_counts(proportions, train_sizes)
+        test_counts = _split_counts(proportions, test_sizes)
+        smallest_train = int(train_counts.sum(axis=0).min())
+        smallest_test = int(test_counts.sum(axis=0).min())
+        best_train = max(best_train, smallest_train)
+        best_test = max(best_test, smallest_test)
+        if smallest_train >= min_samples and smallest_test >= 1:
+            break
+    else:
+        raise DataError(
+            f"Could not draw a Dirichlet partition with alpha={alpha:g} over "
+            f"K={num_clients} clients giving every client >= min_samples={min_samples} "
+            f"training images and >= 1 test image in {max_tries} tries; the best try's "
+            f"smallest client had {best_train} training images (best smallest test split: "
+            f"{best_test} images). Use a larger alpha, fewer clients or a smaller "
+            "min-samples."
+        )
+
+    train_parts = _assign(train, train_counts, rng)
+    test_parts = _assign(test, test_counts, rng)
+    return Partition(
+        num_clients=num_clients,
+        num_classes=num_classes,
+        alpha=alpha,
+        seed=seed,
+        train_indices=tuple(train_parts),
+        test_indices=tuple(test_parts),
+        proportions=proportions,
+        tries=tries,
+        _train_counts=train_counts.T,
+        _test_counts=test_counts.T,
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Files
+# --------------------------------------------------------------------------- #
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write via a temp file in the same folder and ``os.replace`` it in place,
+    so readers never see a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def save_partition(partition: Partition, directory: str | os.PathLike[str]) -> None:
+    """Write ``partition.json`` and ``partition.csv`` into ``directory``.
+
+    Parameters
+    ----------
+    partition : Partition
+        A partition from :func:`dirichlet_partition`.
+    directory : path-like
+        Created if missing. ``partition.json`` holds :meth:`Partition.to_dict`;
+        ``partition.csv`` has columns ``client, split, class_0, ...`` with a
+        ``train`` and a ``test`` row per client. Both are written atomically.
+    """
+    directory = Path(directory)
+    text = json.dumps(partition.to_dict(), indent=1) + "\n"
+    _atomic_write_bytes(directory / PARTITION_JSON, text.encode("utf-8"))
+
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["client", "split", *(f"class_{c}" for c in range(partition.num_classes))])
+    train_counts, test_counts = partition.train_counts(), partition.test_counts()
+    for k in range(partition.num_clients):
+        writer.writerow([k, "train", *train_counts[k].tolist()])
+        writer.writerow([k, "test", *test_counts[k].tolist()])
+    _atomic_write_bytes(directory / PARTITION_CSV, buffer.getvalue().encode("utf-8"))
+
+
+def load_partition_counts(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read back what :func:`save_partition` wrote to ``partition.json``.
+
+    Parameters
+    ----------
+    path : path-like
+        The ``partition.json`` file, or the folder holding it.
+
+    Returns
+    -------
+    dict
+        The JSON object, with ``train_counts`` and ``test_counts`` converted to
+        ``int64`` arrays ``[num_clients, num_classes]``.
+
+    Raises
+    ------
+    DataError
+        If the file is missing, not JSON, or lacks the expected counts.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / PARTITION_JSON
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise DataError(f"No partition file at {path}") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"Cannot read partition file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise DataError(f"{path} does not hold a JSON object")
+    for key in ("num_clients", "num_classes", "train_counts", "test_counts"):
+        if key not in data:
+            raise DataError(f"{path} lacks the key {key!r}")
+    shape = (data["num_clients"], data["num_classes"])
+    for key in ("train_counts", "test_counts"):
+        try:
+            counts = np.asarray(data[key], dtype=np.int64)
+        except (TypeError, ValueError) as exc:
+            raise DataError(f"{path}: {key} is not a table of integers") from exc
+        if counts.shape != shape:
+            raise DataError(f"{path}: {key} has shape {counts.shape}, expected {shape}")
+        data[key] = counts
+    return data
+
+
+# --------------------------------------------------------------------------- #
+# Figures
+# --------------------------------------------------------------------------- #
+
+
+def _check_counts(counts: Any, what: str = "counts") -> np.ndarray:
+    array = np.asarray(counts)
+    if array.ndim != 2 or 0 in array.shape:
+        raise ConfigError(
+            f"{what} must be a non-empty [num_clients, num_classes] array, got shape {array.shape}"
+        )
+    if not np.issubdtype(array.dtype, np.number) or not np.isfinite(array).all():
+        raise ConfigError(f"{what} must hold finite numbers")
+    if (array < 0).any():
+        raise ConfigError(f"{what} must be non-negative")
+    return array
+
+
+def _draw_heatmap(ax: Any, counts: np.ndarray, norm: Any, class_names: Sequence[str] | None) -> Any:
+    num_clients, num_classes = counts.shape
+    image = ax.imshow(
+        counts.T,
+        aspect="auto",
+        interpolation="nearest",
+        cmap="viridis",
+        norm=norm,
+        origin="upper",
+    )
+    ax.set_xlabel("Client")
+    ax.set_ylabel("Class")
+    x_step = max(1, math.ceil(num_clients / 20))
+    ax.set_xticks(np.arange(0, num_clients, x_step))
+    if class_names is not None and num_classes <= 50:
+        ax.set_yticks(np.arange(num_classes))
+        fontsize = 8 if num_classes <= 20 else 6
+        ax.set_yticklabels([str(name) for name in class_names], fontsize=fontsize)
+    else:
+        y_step = max(1, math.ceil(num_classes / 20))
+        ax.set_yticks(np.arange(0, num_classes, y_step))
+    return image
+
+
+def _save_figure(fig: Any, path: Path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=150, bbox_inches="tight")
+    _atomic_write_bytes(path, buffer.getvalue())
+    return path
+
+
+def _check_class_names(class_names: Sequence[str] | None, num_classes: int) -> None:
+    if class_names is not None and len(class_names) != num_classes:
+        raise ConfigError(
+            f"class_names has {len(class_names)} entries for {num_classes} classes"
+        )
+
+
+def plot_partition(
+    counts: np.ndarray,
+    path: str | os.PathLike[str],
+    *,
+    title: str | None = None,
+    class_names: Sequence[str] | None = None,
+) -> Path:
+    """Draw a partition as a clients x classes heatmap (the paper's Figure 3).
+
+    Parameters
+    ----------
+    counts : numpy.ndarray
+        ``[num_clients, num_classes]`` image counts, e.g.
+        :meth:`Partition.train_counts`.
+    path : path-like
+        PNG file to write (atomically; parent folders are created).
+    title : str, optional
+        Figure title.
+    class_names : sequence of str, optional
+        Labels for the class axis, shown when there are at most 50 classes.
+
+    Returns
+    -------
+    pathlib.Path
+        ``path``.
+    """
+    from matplotlib.figure import Figure
+
+    counts = _check_counts(counts)
+    _check_class_names(class_names, counts.shape[1])
+    num_clients, num_classes = counts.shape
+    fig = Figure(figsize=(min(3 + 0.35 * num_clients, 14), min(3 + 0.06 * num_classes, 14)))
+    ax = fig.add_subplot(1, 1, 1)
+    image = _draw_heatmap(ax, counts, None, class_names)
+    fig.colorbar(image, ax=ax, label="Training images")
+    if title:
+        ax.set_title(title)
+    return _save_figure(fig, Path(path))
+
+
+def plot_partitions(
+    panels: list[tuple[str, np.ndarray]],
+    path: str | os.PathLike[str],
+    *,
+    title: str | None = None,
+    class_names: Sequence[str] | None = None,
+) -> Path:
+    """Draw several partitions side by side, e.g. one panel per alpha.
+
+    All panels share one colour scale and colourbar so that they can be
+    compared, as in the paper's three-panel figure.
+
+    Parameters
+    ----------
+    panels : list of (str, numpy.ndarray)
+        ``(panel title, [num_clients, num_classes] counts)`` pairs.
+    path : path-like
+        PNG file to write (atomically; parent folders are created).
+    title : str, optional
+        Overall title.
+    class_names : sequence of str, optional
+        Labels for the class axis of the first panel (at most 50 classes).
+
+    Returns
+    -------
+    pathlib.Path
+        ``path``.
+    """
+    from matplotlib.colors import Normalize
+    from matplotlib.figure import Figure
+
+    if not panels:
+        raise ConfigError("plot_partitions needs at least one panel")
+    checked = [(str(name), _check_counts(c, f"counts of panel {name!r}")) for name, c in panels]
+    vmax = max(float(c.max()) for _, c in checked)
+    norm = Normalize(vmin=0.0, vmax=vmax if vmax > 0 else 1.0)
+    max_clients = max(c.shape[0] for _, c in checked)
+    max_classes = max(c.shape[1] for _, c in checked)
+    width = len(checked) * min(2.5 + 0.3 * max_clients, 8) + 1.5
+    height = min(3 + 0.06 * max_classes, 14)
+    fig = Figure(figsize=(width, height))
+    axes = fig.subplots(1, len(checked), squeeze=False)[0]
+    image = None
+    for i, (ax, (name, counts)) in enumerate(zip(axes, checked)):
+        names = class_names if i == 0 else None
+        _check_class_names(names, counts.shape[1])
+        image = _draw_heatmap(ax, counts, norm, names)
+        ax.set_title(name)
+        if i > 0:
+            ax.set_ylabel("")
+    fig.colorbar(image, ax=list(axes), label="Training images")
+    if title:
+        fig.suptitle(title)
+    return _save_figure(fig, Path(path))

@@ -1,0 +1,260 @@
+"""Per-round progress output and the results written to ``<output-dir>/<run-name>/``.
+
+Files (each rewritten atomically after every round, so an interrupted run keeps
+what it finished):
+
+* ``config.json``: the resolved run-config.
+* ``partition.json`` / ``partition.csv``: train and test images per client × class.
+* ``metrics.json``: one entry per round (personalized accuracy = mean over
+  clients, sample-weighted accuracy, loss, per-client accuracies, train loss,
+  bytes sent/received, wall time) plus, once finished, the summary.
+* ``metrics.csv``: the scalar columns of metrics.json.
+* ``summary.json``: final- and best-round values and total wall time; written
+  last, with ``"complete": true``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Message, MetricRecord
+from flwr.serverapp import Grid
+
+from fedspc_app.config import RunConfig
+
+SCALAR_COLUMNS = (
+    "round", "accuracy", "weighted-accuracy", "loss", "train-loss", "clients",
+    "train-clients", "bytes-sent", "bytes-received", "round-seconds", "elapsed-seconds",
+)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+def _clean(value: Any) -> Any:
+    """NaN/inf become None so the JSON stays standard."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+class TrafficGrid(Grid):
+    """A Grid that counts the bytes of the records it sends and receives.
+
+    Wraps the Grid handed to the ServerApp; every other call is delegated.
+    """
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+        self.sent = 0
+        self.received = 0
+
+    @staticmethod
+    def message_bytes(message: Message) -> int:
+        if not message.has_content():
+            return 0
+        return sum(record.count_bytes() for record in message.content.values())
+
+    def take(self) -> tuple[int, int]:
+        """Bytes sent and received since the last call."""
+        out = (self.sent, self.received)
+        self.sent = self.received = 0
+        return out
+
+    def set_run(self, run) -> None:
+        self.grid.set_run(run)
+
+    @property
+    def run(self):
+        return self.grid.run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self):
+        return self.grid.get_node_ids()
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        self.sent += sum(self.message_bytes(m) for m in messages)
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids):
+        replies = list(self.grid.pull_messages(message_ids))
+        self.received += sum(self.message_bytes(m) for m in replies)
+        return replies
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        self.sent += sum(self.message_bytes(m) for m in messages)
+        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+        self.received += sum(self.message_bytes(m) for m in replies)
+        return replies
+
+
+class RunRecorder:
+    """Prints one line per round and keeps the results folder up to date.
+
+    Parameters
+    ----------
+    config : RunConfig
+        The run's config (its ``run_dir`` is where results go).
+    traffic : TrafficGrid | None
+        Source of the bytes sent/received per round.
+    echo : callable
+        Where progress lines go (default: print).
+    """
+
+    def __init__(self, config: RunConfig, *, traffic: TrafficGrid | None = None,
+                 echo: Callable[[str], None] = print) -> None:
+        self.config = config
+        self.run_dir = config.run_dir
+        self.traffic = traffic
+        self.echo = echo
+        self.rounds: list[dict[str, Any]] = []
+        self.started = time.perf_counter()
+        self.last = self.started
+
+    # ------------------------------------------------------------------ files
+    def start(self, extra: Mapping[str, Any] | None = None) -> None:
+        """Create the run folder and write the resolved config (after validation)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ("metrics.json", "metrics.csv", "summary.json"):
+            (self.run_dir / stale).unlink(missing_ok=True)
+        payload = {"run-config": self.config.to_dict(), **(extra or {})}
+        write_atomic(self.run_dir / "config.json",
+                     json.dumps(payload, indent=2, default=_json_default))
+        self.started = self.last = time.perf_counter()
+        self.echo(f"Results: {self.run_dir}")
+
+    def _write_metrics(self, summary: Mapping[str, Any] | None = None) -> None:
+        payload = {"run-name": self.config.resolved_run_name, "rounds": self.rounds}
+        if summary is not None:
+            payload["summary"] = summary
+        write_atomic(self.run_dir / "metrics.json",
+                     json.dumps(_clean_tree(payload), indent=2, default=_json_default))
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=SCALAR_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in self.rounds:
+            writer.writerow({k: ("" if row.get(k) is None else row.get(k))
+                             for k in SCALAR_COLUMNS})
+        write_atomic(self.run_dir / "metrics.csv", buffer.getvalue())
+
+    # ---------------------------------------------------------------- rounds
+    def on_round_end(self, server_round: int, train: MetricRecord | None,
+                     evaluate: MetricRecord | None) -> None:
+        now = time.perf_counter()
+        sent, received = self.traffic.take() if self.traffic else (0, 0)
+        row: dict[str, Any] = {
+            "round": server_round,
+            "round-seconds": round(now - self.last, 3),
+            "elapsed-seconds": round(now - self.started, 3),
+            "bytes-sent": sent,
+            "bytes-received": received,
+        }
+        self.last = now
+        if train is not None:
+            row["train-loss"] = _clean(float(train.get("train-loss", float("nan"))))
+            row["train-clients"] = int(train.get("clients", 0))
+            if "global-reference-norm" in train:
+                row["global-reference-norm"] = float(train["global-reference-norm"])
+        if evaluate is not None:
+            for key in ("accuracy", "weighted-accuracy", "loss"):
+                row[key] = _clean(float(evaluate[key]))
+            row["clients"] = int(evaluate["clients"])
+            row["client-accuracy"] = {
+                str(pid): acc for pid, acc in zip(evaluate["client-ids"],
+                                                  evaluate["client-accuracy"])
+            }
+        self.rounds.append(row)
+        self._write_metrics()
+        self.echo(self.progress_line(row))
+
+    def progress_line(self, row: Mapping[str, Any]) -> str:
+        total = self.config.num_rounds
+        done = row["round"]
+        mean = row["elapsed-seconds"] / max(done, 1)
+        eta = format_duration(mean * (total - done))
+        acc = row.get("accuracy")
+        acc_text = "n/a" if acc is None else f"{100 * acc:6.2f}%"
+        loss = row.get("loss")
+        loss_text = "n/a" if loss is None else f"{loss:.4f}"
+        return (f"[{self.config.label}] round {done:>{len(str(total))}}/{total}"
+                f" | accuracy {acc_text} | loss {loss_text}"
+                f" | {row['round-seconds']:.1f} s | ETA {eta}")
+
+    def finish(self) -> dict[str, Any]:
+        """Write the summary (final and best round) and print it."""
+        evaluated = [r for r in self.rounds if r.get("accuracy") is not None]
+        summary: dict[str, Any] = {
+            "complete": len(self.rounds) >= self.config.num_rounds,
+            "rounds": len(self.rounds),
+            "wall-seconds": round(time.perf_counter() - self.started, 3),
+            "method": self.config.label,
+        }
+        if evaluated:
+            final = evaluated[-1]
+            best = max(evaluated, key=lambda r: r["accuracy"])
+            summary.update({
+                "final-round": final["round"],
+                "final-accuracy": final["accuracy"],
+                "final-weighted-accuracy": final["weighted-accuracy"],
+                "final-loss": final["loss"],
+                "best-round": best["round"],
+                "best-accuracy": best["accuracy"],
+                "bytes-sent": sum(r["bytes-sent"] for r in self.rounds),
+                "bytes-received": sum(r["bytes-received"] for r in self.rounds),
+            })
+        self._write_metrics(summary)
+        write_atomic(self.run_dir / "summary.json", json.dumps(_clean_tree(summary), indent=2))
+        if evaluated:
+            self.echo(
+                f"[{self.config.label}] done in {format_duration(summary['wall-seconds'])}: "
+                f"final accuracy {100 * summary['final-accuracy']:.2f}% (round "
+                f"{summary['final-round']}), best {100 * summary['best-accuracy']:.2f}% "
+                f"(round {summary['best-round']}); results in {self.run_dir}"
+            )
+        return summary
+
+
+def _clean_tree(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _clean_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean_tree(v) for v in value]
+    return _clean(value)

@@ -1,0 +1,101 @@
+"""ServerApp: parse the run-config, check data and partition, run the method's strategy."""
+
+from __future__ import annotations
+
+import time
+from logging import ERROR, INFO
+
+from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.serverapp import Grid, ServerApp
+from flwr.supercore import log
+
+from fedspc_app.config import RunConfig, parse_run_config
+from fedspc_app.errors import FedSPCError
+from fedspc_app.methods import Method, get_method
+from fedspc_app.partition import save_partition
+from fedspc_app.results import RunRecorder, TrafficGrid
+from fedspc_app.task import (
+    ParameterSplit,
+    load_partition,
+    load_run_dataset,
+    make_model,
+    parameter_split,
+    state_arrays,
+    to_record,
+)
+from strategies import FedSPC, PersonalizedFedAvg
+
+app = ServerApp()
+
+
+def build_strategy(config: RunConfig, method: Method, split: ParameterSplit,
+                   recorder: RunRecorder | None = None, num_clients: int = 2):
+    """The method's strategy, wrapped by FedSPC when the control variates are on."""
+    strategy = PersonalizedFedAvg(
+        shared_keys=split.shared,
+        aggregation=config.aggregation,
+        fraction_train=config.fraction_train,
+        min_available_nodes=num_clients,
+        on_round_end=recorder.on_round_end if recorder else None,
+    )
+    if method.control_variates or config.fedspc:
+        return FedSPC(strategy, corrected_keys=split.corrected,
+                      learning_rate=config.learning_rate, upload=config.fedspc_upload)
+    return strategy
+
+
+def wait_for_clients(grid: Grid, expected: int, timeout: float = 600.0) -> int:
+    """Number of connected clients; with ``expected > 0`` wait until that many."""
+    deadline = time.monotonic() + timeout
+    while True:
+        count = len(list(grid.get_node_ids()))
+        if (expected and count >= expected) or (not expected and count > 0):
+            return expected or count
+        if time.monotonic() > deadline:
+            raise FedSPCError(
+                f"only {count} client(s) connected after {timeout:.0f} s "
+                f"(num-clients = {expected})"
+            )
+        time.sleep(1.0)
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Run a federated training as the run-config describes."""
+    try:
+        config = parse_run_config(context.run_config)
+        method = get_method(config.method)
+        dataset = load_run_dataset(config)
+        num_clients = wait_for_clients(grid, config.num_clients)
+        partition = load_partition(config, num_clients)
+        model = make_model(config, dataset)
+        split = parameter_split(model, method)
+    except FedSPCError as error:
+        log(ERROR, "Run not started: %s", error)
+        raise SystemExit(f"fedspc: {error}") from None
+
+    traffic = TrafficGrid(grid)
+    recorder = RunRecorder(config, traffic=traffic, echo=lambda line: log(INFO, "%s", line))
+    recorder.start(extra={
+        "method": method.summary,
+        "num-clients": num_clients,
+        "dataset": {"name": dataset.name, "train": int(dataset.train_labels.shape[0]),
+                    "test": int(dataset.test_labels.shape[0]),
+                    "classes": dataset.num_classes},
+        "shared-keys": list(split.shared),
+        "personal-keys": list(split.personal),
+    })
+    save_partition(partition, recorder.run_dir)
+    log(INFO, "%s | %s on %s, %d clients, alpha=%g, %d rounds", config.label,
+        config.model, config.dataset, num_clients, config.alpha, config.num_rounds)
+
+    strategy = build_strategy(config, method, split, recorder, num_clients)
+    train_config = ConfigRecord({"num-clients": num_clients})
+    strategy.start(
+        grid=traffic,
+        initial_arrays=to_record(state_arrays(model, split.shared)),
+        num_rounds=config.num_rounds,
+        train_config=train_config,
+        evaluate_config=ConfigRecord({"num-clients": num_clients}),
+    )
+    recorder.finish()

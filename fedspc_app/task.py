@@ -1,0 +1,225 @@
+"""Glue used by both the ServerApp and the ClientApp.
+
+Building the model for a run, splitting its state-dict keys into the shared and
+personal sets of a method, loading a client's data partition, and converting
+between torch state dicts, numpy arrays and Flower ArrayRecords (always by key,
+never by position).
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord
+from torch import nn
+
+from fedspc_app.config import RunConfig
+from fedspc_app.data import ImageDataset, iterate_batches, load_dataset
+from fedspc_app.errors import ConfigError
+from fedspc_app.methods import Block, Method
+from fedspc_app.models import build_model, split_body_head
+from fedspc_app.partition import Partition, dirichlet_partition
+
+ArrayDict = dict[str, np.ndarray]
+
+
+# --------------------------------------------------------------------- records
+def to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """An ArrayRecord holding ``arrays`` under their keys."""
+    return ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in arrays.items()})
+
+
+def from_record(record: ArrayRecord) -> ArrayDict:
+    """The arrays of an ArrayRecord as a ``{key: ndarray}`` dict."""
+    return {key: array.numpy() for key, array in record.items()}
+
+
+def state_arrays(model: nn.Module, keys: Iterable[str]) -> ArrayDict:
+    """Copies of the model's state-dict entries ``keys`` as numpy arrays."""
+    state = model.state_dict()
+    return {key: state[key].detach().cpu().numpy().copy() for key in keys}
+
+
+def load_arrays(model: nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
+    """Overwrite the model's state-dict entries named in ``arrays``."""
+    state = model.state_dict()
+    unknown = [key for key in arrays if key not in state]
+    if unknown:
+        raise KeyError(f"not in the model's state dict: {unknown[:5]}")
+    with torch.no_grad():
+        for key, value in arrays.items():
+            target = state[key]
+            if tuple(target.shape) != tuple(np.shape(value)):
+                raise ValueError(
+                    f"shape mismatch for {key!r}: model {tuple(target.shape)}, "
+                    f"array {tuple(np.shape(value))}"
+                )
+            target.copy_(torch.as_tensor(np.asarray(value)).to(target.dtype))
+
+
+# --------------------------------------------------------------- parameter split
+@dataclass(frozen=True)
+class ParameterSplit:
+    """How one method splits one model.
+
+    Attributes
+    ----------
+    body, head : tuple[str, ...]
+        State-dict keys of the feature extractor and the classifier.
+    shared : tuple[str, ...]
+        State-dict keys aggregated by the server (parameters and buffers).
+    personal : tuple[str, ...]
+        Every other key; kept by the client, never sent.
+    parameters : frozenset[str]
+        Names of the trainable parameters (state-dict keys that are not buffers).
+    """
+
+    body: tuple[str, ...]
+    head: tuple[str, ...]
+    shared: tuple[str, ...]
+    personal: tuple[str, ...]
+    parameters: frozenset[str]
+
+    def block(self, block: Block) -> tuple[str, ...]:
+        """State-dict keys of ``"body"``, ``"head"`` or ``"all"``."""
+        return {"body": self.body, "head": self.head, "all": self.body + self.head}[block]
+
+    def trainable(self, block: Block) -> tuple[str, ...]:
+        """Trainable parameter names of a block."""
+        return tuple(key for key in self.block(block) if key in self.parameters)
+
+    @property
+    def corrected(self) -> tuple[str, ...]:
+        """The shared trainable parameters: the keys of u_k and u_bar."""
+        return tuple(key for key in self.shared if key in self.parameters)
+
+
+def parameter_split(model: nn.Module, method: Method) -> ParameterSplit:
+    """Split ``model``'s state-dict keys for ``method`` (the paper's Table 2)."""
+    body, head = split_body_head(model)
+    parameters = frozenset(name for name, _ in model.named_parameters())
+    everything = body + head
+    shared = {"all": everything, "body": body, "head": head}[method.shared]
+    shared_set = set(shared)
+    personal = tuple(key for key in model.state_dict() if key not in shared_set)
+    shared = tuple(key for key in model.state_dict() if key in shared_set)
+    return ParameterSplit(body, head, shared, personal, parameters)
+
+
+# ------------------------------------------------------------------ model, data
+def make_model(config: RunConfig, dataset: ImageDataset) -> nn.Module:
+    """The run's model, initialised from the run seed (identical on every party)."""
+    return build_model(
+        config.model,
+        num_classes=dataset.num_classes,
+        in_chans=dataset.in_chans,
+        image_size=dataset.image_size,
+        seed=config.seed,
+        vit_embed_dim=config.vit_embed_dim,
+    )
+
+
+def load_run_dataset(config: RunConfig) -> ImageDataset:
+    """The run's dataset (cached per process by :func:`load_dataset`)."""
+    return load_dataset(config.dataset, config.resolved_data_dir, download=config.download)
+
+
+@functools.lru_cache(maxsize=8)
+def _partition(config_key: tuple, num_clients: int, dataset_name: str,
+               data_dir: str, download: bool) -> Partition:
+    alpha, seed, min_samples, max_tries = config_key
+    dataset = load_dataset(dataset_name, data_dir, download=download)
+    return dirichlet_partition(
+        dataset.train_labels.numpy(),
+        dataset.test_labels.numpy(),
+        num_clients=num_clients,
+        alpha=alpha,
+        seed=seed,
+        min_samples=min_samples,
+        max_tries=max_tries,
+        num_classes=dataset.num_classes,
+    )
+
+
+def load_partition(config: RunConfig, num_clients: int) -> Partition:
+    """The run's Dirichlet partition over ``num_clients`` (cached per process)."""
+    return _partition(
+        (config.alpha, config.seed, config.min_samples, config.partition_max_tries),
+        num_clients,
+        config.dataset,
+        str(config.resolved_data_dir),
+        config.download,
+    )
+
+
+def resolve_device(config: RunConfig) -> torch.device:
+    """``device = auto`` picks CUDA when available."""
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("run-config 'device' = 'cuda' but CUDA is not available here")
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def use_augmentation(config: RunConfig, dataset: ImageDataset) -> bool:
+    """``augment = auto`` follows the dataset (crop+flip for natural images)."""
+    if config.augment == "auto":
+        return dataset.default_augment
+    return config.augment == "crop-flip"
+
+
+def seeded_generator(*parts: int | str) -> torch.Generator:
+    """A CPU generator seeded from a stable hash of ``parts``."""
+    text = "/".join(str(part) for part in parts).encode()
+    return torch.Generator().manual_seed(zlib.crc32(text))
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """One client's view of the data: the dataset and its own index sets."""
+
+    dataset: ImageDataset
+    train_indices: np.ndarray
+    test_indices: np.ndarray
+    augment: bool
+    batch_size: int
+    device: torch.device
+
+    def batches(self, split: str, generator: torch.Generator | None = None):
+        """A callable giving one epoch of batches (shuffled+augmented for train)."""
+        train = split == "train"
+        indices = self.train_indices if train else self.test_indices
+
+        def epoch():
+            return iterate_batches(
+                self.dataset,
+                split,
+                indices,
+                batch_size=self.batch_size,
+                shuffle=train,
+                augment=train and self.augment,
+                generator=generator,
+                device=self.device,
+            )
+
+        return epoch
+
+
+def client_data(config: RunConfig, partition_id: int, num_partitions: int) -> ClientData:
+    """Load the dataset and this client's partition."""
+    dataset = load_run_dataset(config)
+    partition = load_partition(config, num_partitions)
+    train_indices, test_indices = partition.client(partition_id)
+    return ClientData(
+        dataset=dataset,
+        train_indices=train_indices,
+        test_indices=test_indices,
+        augment=use_augmentation(config, dataset),
+        batch_size=config.batch_size,
+        device=resolve_device(config),
+    )

@@ -1,0 +1,158 @@
+"""The one local training loop, and the gradient hooks that methods compose.
+
+Every method's local training is a sequence of calls to :func:`train_epochs`: which
+parameters it updates and which hooks rewrite their gradients between
+``backward()`` and ``optimizer.step()`` is all that differs between methods. A hook
+acts on a named set of parameters:
+
+* :class:`ProximalTerm` adds ``mu * (w - anchor)``, the gradient of
+  ``(mu/2) * ||w - anchor||^2`` (FedProx's proximal term; Ditto's personal objective).
+* :class:`DriftCorrection` adds ``c - c_k`` (SCAFFOLD's control variates; FedSPC's
+  ``-u_k + u_bar`` restricted to the shared block, Algorithm 1 step 2).
+
+Parameters that are frozen in a phase simply have no gradient and are skipped by
+every hook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+Batches = Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]]
+"""A callable returning a fresh iterator over one epoch of (images, labels)."""
+
+
+class GradientHook(Protocol):
+    """Rewrites gradients in place after ``backward()`` and before ``step()``."""
+
+    def __call__(self, parameters: Mapping[str, nn.Parameter]) -> None: ...
+
+
+@dataclass(frozen=True)
+class ProximalTerm:
+    """Gradient of ``(mu/2) * ||w - anchor||^2`` over the anchored parameters.
+
+    Used by FedProx (anchor = the received global model, ``mu = proximal-mu``) and
+    by Ditto's personal model (anchor = the received global model,
+    ``mu = ditto-lambda``).
+    """
+
+    anchor: Mapping[str, torch.Tensor]
+    mu: float
+
+    def __call__(self, parameters: Mapping[str, nn.Parameter]) -> None:
+        if self.mu == 0.0:
+            return
+        for name, reference in self.anchor.items():
+            parameter = parameters[name]
+            if parameter.grad is not None:
+                parameter.grad.add_(parameter.detach() - reference, alpha=self.mu)
+
+
+@dataclass(frozen=True)
+class DriftCorrection:
+    """Adds a fixed correction to the gradients of the named parameters.
+
+    For FedSPC the correction is ``u_bar - u_k`` over the trainable shared
+    parameters, so each step follows ``grad F_k - u_k + u_bar`` (Algorithm 1,
+    step 2). SCAFFOLD is the same hook with ``c - c_k`` over every parameter.
+    """
+
+    correction: Mapping[str, torch.Tensor]
+
+    def __call__(self, parameters: Mapping[str, nn.Parameter]) -> None:
+        for name, value in self.correction.items():
+            parameter = parameters[name]
+            if parameter.grad is not None:
+                parameter.grad.add_(value)
+
+
+@dataclass(frozen=True)
+class EpochsResult:
+    """What one call of :func:`train_epochs` did."""
+
+    steps: int
+    examples: int
+    loss_sum: float
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / self.examples if self.examples else float("nan")
+
+
+def train_epochs(
+    model: nn.Module,
+    batches: Batches,
+    *,
+    epochs: int,
+    trainable: Iterable[str],
+    learning_rate: float,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    hooks: Iterable[GradientHook] = (),
+) -> EpochsResult:
+    """Train ``model`` for ``epochs`` passes with SGD on the ``trainable`` parameters.
+
+    Parameters not named in ``trainable`` are frozen for the duration of the call
+    (``requires_grad`` is restored afterwards). The model is in training mode, so
+    BatchNorm statistics follow the data even for frozen blocks.
+
+    Returns the number of optimizer steps taken, the examples seen and the summed
+    (data) loss.
+    """
+    named = dict(model.named_parameters())
+    trainable = set(trainable)
+    unknown = trainable - named.keys()
+    if unknown:
+        raise KeyError(f"not parameters of the model: {sorted(unknown)[:5]}")
+    previous = {name: p.requires_grad for name, p in named.items()}
+    for name, parameter in named.items():
+        parameter.requires_grad_(name in trainable)
+    hooks = tuple(hooks)
+    steps, examples, loss_sum = 0, 0, 0.0
+    try:
+        if not trainable or epochs <= 0:
+            return EpochsResult(0, 0, 0.0)
+        optimizer = torch.optim.SGD(
+            [named[name] for name in named if name in trainable],
+            lr=learning_rate,
+            momentum=momentum,
+            weight_decay=weight_decay,
+        )
+        model.train()
+        for _ in range(epochs):
+            for images, labels in batches():
+                loss = F.cross_entropy(model(images), labels)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                for hook in hooks:
+                    hook(named)
+                optimizer.step()
+                steps += 1
+                examples += labels.shape[0]
+                loss_sum += loss.item() * labels.shape[0]
+    finally:
+        for name, parameter in named.items():
+            parameter.requires_grad_(previous[name])
+    return EpochsResult(steps, examples, loss_sum)
+
+
+@torch.no_grad()
+def evaluate_model(
+    model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[int, int, float]:
+    """Return (correct, examples, summed cross-entropy loss) of ``model``."""
+    model.eval()
+    correct, examples, loss_sum = 0, 0, 0.0
+    for images, labels in batches:
+        logits = model(images)
+        loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
+        correct += (logits.argmax(dim=1) == labels).sum().item()
+        examples += labels.shape[0]
+    return correct, examples, loss_sum

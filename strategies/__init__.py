@@ -1,0 +1,11 @@
+"""Server strategies (Flower ``flwr.serverapp.strategy.Strategy`` subclasses).
+
+* :class:`PersonalizedFedAvg` aggregates only the shared block of a method.
+* :class:`FedSPC` wraps it and keeps the global drift reference u_bar; with every
+  parameter shared it is SCAFFOLD.
+"""
+
+from strategies.fedspc import FedSPC
+from strategies.personalized import NoValidReplies, PersonalizedFedAvg, mean_arrays
+
+__all__ = ["FedSPC", "NoValidReplies", "PersonalizedFedAvg", "mean_arrays"]

@@ -1,0 +1,403 @@
+"""Tests of the FedSPC paper's Dirichlet label-skew partition (fedspc_app.partition)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedspc_app.errors import ConfigError, DataError
+from fedspc_app.partition import (
+    Partition,
+    dirichlet_partition,
+    load_partition_counts,
+    plot_partition,
+    plot_partitions,
+    save_partition,
+)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _labels(per_class: list[int] | np.ndarray, seed: int = 0) -> np.ndarray:
+    """Shuffled labels with ``per_class[c]`` images of class ``c``."""
+    labels = np.repeat(np.arange(len(per_class)), per_class)
+    return np.random.default_rng(seed).permutation(labels)
+
+
+@pytest.fixture(scope="module")
+def uneven() -> tuple[np.ndarray, np.ndarray]:
+    """20 classes of uneven size; test/train ratios differ between classes."""
+    rng = np.random.default_rng(123)
+    train = _labels(rng.integers(50, 400, size=20), seed=1)
+    test = _labels(rng.integers(5, 120, size=20), seed=2)
+    return train, test
+
+
+@pytest.fixture(scope="module")
+def part(uneven: tuple[np.ndarray, np.ndarray]) -> Partition:
+    train, test = uneven
+    return dirichlet_partition(train, test, num_clients=8, alpha=0.3, seed=7, min_samples=20)
+
+
+def _assert_exact_cover(parts: tuple[np.ndarray, ...], n: int) -> None:
+    joined = np.concatenate(parts)
+    assert joined.size == n, "some index missing or repeated"
+    assert np.array_equal(np.sort(joined), np.arange(n))
+    for a in parts:
+        assert a.dtype == np.int64
+        assert np.all(np.diff(a) > 0), "indices must be sorted and unique"
+
+
+# --------------------------------------------------------------------------- #
+# Correctness of the split
+# --------------------------------------------------------------------------- #
+
+
+def test_every_index_assigned_exactly_once(part: Partition, uneven) -> None:
+    train, test = uneven
+    _assert_exact_cover(part.train_indices, train.size)
+    _assert_exact_cover(part.test_indices, test.size)
+
+
+def test_counts_match_the_labels_of_the_indices(part: Partition, uneven) -> None:
+    train, test = uneven
+    train_counts, test_counts = part.train_counts(), part.test_counts()
+    assert train_counts.shape == test_counts.shape == (8, 20)
+    assert train_counts.dtype == test_counts.dtype == np.int64
+    for k in range(part.num_clients):
+        tr, te = part.client(k)
+        np.testing.assert_array_equal(np.bincount(train[tr], minlength=20), train_counts[k])
+        np.testing.assert_array_equal(np.bincount(test[te], minlength=20), test_counts[k])
+
+
+def test_counts_follow_the_proportions(part: Partition, uneven) -> None:
+    # Each class is cut at rint(cumsum(p) * n): both of a client's boundaries are
+    # within 0.5 of exact, so its count is within 1 of p * n.
+    train, test = uneven
+    n_train = np.bincount(train, minlength=20)
+    n_test = np.bincount(test, minlength=20)
+    p = part.proportions
+    assert np.allclose(p.sum(axis=1), 1.0)
+    assert np.all(np.abs(part.train_counts().T - p * n_train[:, None]) <= 1 + 1e-9)
+    assert np.all(np.abs(part.test_counts().T - p * n_test[:, None]) <= 1 + 1e-9)
+
+
+def test_test_distribution_follows_train(part: Partition, uneven) -> None:
+    # With r_c = n_test_c / n_train_c: test = p*n_test + e1 and train = p*n_train + e2
+    # with |e1|, |e2| <= 1 (rounding), so |test - r_c * train| = |e1 - r_c*e2| <= 1 + r_c.
+    train, test = uneven
+    ratio = np.bincount(test, minlength=20) / np.bincount(train, minlength=20)
+    diff = np.abs(part.test_counts() - part.train_counts() * ratio[None, :])
+    assert np.all(diff <= 1 + ratio[None, :] + 1e-9)
+    # Sanity: this bound is tight relative to the counts, i.e. the split is real skew.
+    assert part.train_counts().max() > 3 * (1 + ratio.max())
+
+
+def test_min_samples_and_test_images_honoured(part: Partition) -> None:
+    assert part.train_counts().sum(axis=1).min() >= 20
+    assert part.test_counts().sum(axis=1).min() >= 1
+
+
+def test_num_classes_larger_than_labels_gives_empty_classes() -> None:
+    train, test = _labels([30] * 4), _labels([5] * 4)
+    p = dirichlet_partition(
+        train, test, num_clients=3, alpha=1.0, seed=0, min_samples=1, num_classes=6
+    )
+    assert p.num_classes == 6 and p.proportions.shape == (6, 3)
+    assert np.all(p.train_counts()[:, 4:] == 0) and np.all(p.test_counts()[:, 4:] == 0)
+
+
+def test_single_client_gets_everything() -> None:
+    train, test = _labels([10, 20, 30]), _labels([1, 2, 3])
+    p = dirichlet_partition(train, test, num_clients=1, alpha=0.5, seed=3)
+    np.testing.assert_array_equal(p.train_indices[0], np.arange(60))
+    np.testing.assert_array_equal(p.test_indices[0], np.arange(6))
+    assert p.tries == 1
+
+
+def test_partition_is_immutable(part: Partition) -> None:
+    with pytest.raises(AttributeError):
+        part.alpha = 1.0  # type: ignore[misc]
+    with pytest.raises(ValueError):
+        part.train_indices[0][0] = 0
+    with pytest.raises(ValueError):
+        part.proportions[0, 0] = 0.0
+    counts = part.train_counts()
+    counts[0, 0] += 1000
+    assert part.train_counts()[0, 0] != counts[0, 0]
+
+
+# --------------------------------------------------------------------------- #
+# Reproducibility
+# --------------------------------------------------------------------------- #
+
+
+def test_same_seed_same_partition(uneven) -> None:
+    train, test = uneven
+    kwargs = dict(num_clients=8, alpha=0.3, seed=11, min_samples=20)
+    a = dirichlet_partition(train, test, **kwargs)
+    b = dirichlet_partition(train.copy(), test.copy(), **kwargs)
+    assert a == b
+    assert a.tries == b.tries
+    np.testing.assert_array_equal(a.proportions, b.proportions)
+    for x, y in zip(a.train_indices + a.test_indices, b.train_indices + b.test_indices):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_different_seed_different_partition(uneven) -> None:
+    train, test = uneven
+    a = dirichlet_partition(train, test, num_clients=8, alpha=0.3, seed=1, min_samples=20)
+    b = dirichlet_partition(train, test, num_clients=8, alpha=0.3, seed=2, min_samples=20)
+    assert a != b
+    assert not np.array_equal(a.proportions, b.proportions)
+    assert any(not np.array_equal(x, y) for x, y in zip(a.train_indices, b.train_indices))
+
+
+# --------------------------------------------------------------------------- #
+# Dirichlet statistics
+# --------------------------------------------------------------------------- #
+
+STAT_CLASSES, STAT_CLIENTS, STAT_PER_CLASS = 200, 10, 100
+
+
+def _stat_partition(alpha: float) -> Partition:
+    train = _labels([STAT_PER_CLASS] * STAT_CLASSES)
+    test = _labels([20] * STAT_CLASSES)
+    p = dirichlet_partition(
+        train, test, num_clients=STAT_CLIENTS, alpha=alpha, seed=0, min_samples=1
+    )
+    # One try means no rejection, so the proportions are an unconditioned Dir(alpha) sample.
+    assert p.tries == 1
+    return p
+
+
+def test_tiny_alpha_gives_each_class_to_one_client() -> None:
+    p = _stat_partition(0.01)
+    max_share = p.proportions.max(axis=1)
+    # For Dir(0.01 * 1_10), P(max share > 0.9) is about 0.85.
+    assert np.mean(max_share > 0.9) > 0.75
+    assert max_share.mean() > 0.85
+    count_share = p.train_counts().max(axis=0) / STAT_PER_CLASS
+    assert count_share.mean() > 0.85
+
+
+def test_huge_alpha_gives_near_uniform_shares() -> None:
+    p = _stat_partition(100.0)
+    assert p.proportions.max() < 0.2
+    assert (p.train_counts().max(axis=0) / STAT_PER_CLASS).max() < 0.2
+    assert abs(p.proportions.min(axis=1).mean() - 1 / STAT_CLIENTS) < 0.05
+
+
+@pytest.mark.parametrize("alpha", [0.01, 0.1, 0.5, 1.0, 10.0, 100.0])
+def test_sum_of_squared_shares_matches_dirichlet_expectation(alpha: float) -> None:
+    # For p ~ Dir(alpha * 1_K): E[sum_k p_k^2] = K * E[p_1^2] = (alpha + 1) / (K*alpha + 1).
+    # The mean over 200 independent classes is compared with 5 standard errors.
+    p = _stat_partition(alpha)
+    sq = (p.proportions**2).sum(axis=1)
+    expected = (alpha + 1) / (STAT_CLIENTS * alpha + 1)
+    stderr = sq.std(ddof=1) / math.sqrt(STAT_CLASSES)
+    assert abs(sq.mean() - expected) < 5 * stderr + 1e-4
+    # Realised shares of images differ from p by at most 1/n per client.
+    shares = p.train_counts().T / STAT_PER_CLASS
+    assert np.all(np.abs(shares - p.proportions) <= 1 / STAT_PER_CLASS + 1e-12)
+
+
+# --------------------------------------------------------------------------- #
+# Errors
+# --------------------------------------------------------------------------- #
+
+
+def test_impossible_min_samples_is_config_error() -> None:
+    train, test = _labels([50] * 10), _labels([10] * 10)
+    with pytest.raises(ConfigError, match="min_samples=60"):
+        dirichlet_partition(train, test, num_clients=10, alpha=1.0, seed=0, min_samples=60)
+
+
+def test_unsatisfiable_alpha_is_data_error_after_max_tries() -> None:
+    # Digits-like sizes, but 20 clients for 10 classes: with alpha=0.001 each class
+    # goes (almost) entirely to one client, so at least 10 clients get < 10 images.
+    # Satisfying it would need every class split ~evenly in two, which Dir(0.001)
+    # practically never draws; the up-front feasibility check (20*10 <= 1437) passes.
+    train = _labels([144] * 9 + [141])
+    test = _labels([36] * 10)
+    with pytest.raises(DataError) as info:
+        dirichlet_partition(
+            train, test, num_clients=20, alpha=0.001, seed=0, min_samples=10, max_tries=5
+        )
+    message = str(info.value)
+    for expected in (
+        "alpha=0.001",
+        "K=20",
+        "min_samples=10",
+        "5 tries",
+        "larger alpha",
+        "fewer clients",
+        "smaller min-samples",
+    ):
+        assert expected in message
+    smallest = int(re.search(r"smallest client had (\d+) training images", message).group(1))
+    assert 0 <= smallest < 10
+
+
+@pytest.mark.parametrize("alpha", [0, 0.0, -1.0, float("nan"), float("inf"), "1", True, None])
+def test_bad_alpha_is_config_error(alpha) -> None:
+    train, test = _labels([20] * 3), _labels([5] * 3)
+    with pytest.raises(ConfigError, match="alpha"):
+        dirichlet_partition(train, test, num_clients=2, alpha=alpha, seed=0, min_samples=1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        (dict(num_clients=0), "num_clients"),
+        (dict(num_clients=61), "num_clients=61 exceeds"),
+        (dict(num_clients=2.5), "num_clients"),
+        (dict(min_samples=0), "min_samples"),
+        (dict(max_tries=0), "max_tries"),
+        (dict(seed=-1), "seed"),
+        (dict(num_classes=2), "num_classes=2"),
+        (dict(num_clients=7, min_samples=1), "test images"),
+    ],
+)
+def test_bad_arguments_are_config_errors(kwargs: dict, pattern: str) -> None:
+    train, test = _labels([20] * 3), _labels([2] * 3)
+    args = dict(num_clients=2, alpha=1.0, seed=0, min_samples=1) | kwargs
+    with pytest.raises(ConfigError, match=pattern):
+        dirichlet_partition(train, test, **args)
+
+
+@pytest.mark.parametrize(
+    "train",
+    [
+        np.array([0, 1, -1, 2]),
+        np.array([[0, 1], [1, 0]]),
+        np.array([0.0, 1.0, 1.0]),
+        np.array([], dtype=int),
+    ],
+)
+def test_malformed_labels_are_data_errors(train: np.ndarray) -> None:
+    with pytest.raises(DataError):
+        dirichlet_partition(
+            train, np.array([0, 1]), num_clients=1, alpha=1.0, seed=0, min_samples=1
+        )
+
+
+@pytest.mark.parametrize("pid", [-1, 8, 100, 1.0, "0", True])
+def test_bad_partition_id_is_config_error(part: Partition, pid) -> None:
+    with pytest.raises(ConfigError, match="partition-id"):
+        part.client(pid)
+
+
+def test_numpy_integer_partition_id_is_accepted(part: Partition) -> None:
+    tr, te = part.client(np.int64(2))
+    assert tr is part.train_indices[2] and te is part.test_indices[2]
+
+
+# --------------------------------------------------------------------------- #
+# Speed
+# --------------------------------------------------------------------------- #
+
+
+def test_tiny_imagenet_sized_partition_is_fast() -> None:
+    train, test = _labels([500] * 200), _labels([50] * 200)
+    start = time.perf_counter()
+    p = dirichlet_partition(train, test, num_clients=10, alpha=0.1, seed=0)
+    elapsed = time.perf_counter() - start
+    assert sum(a.size for a in p.train_indices) == 100_000
+    assert elapsed < 2.0, f"took {elapsed:.2f} s"
+
+
+# --------------------------------------------------------------------------- #
+# Files and figures
+# --------------------------------------------------------------------------- #
+
+
+def test_to_dict_is_json_and_small(part: Partition) -> None:
+    d = part.to_dict()
+    restored = json.loads(json.dumps(d))
+    assert restored["alpha"] == 0.3 and restored["seed"] == 7
+    assert restored["num_clients"] == 8 and restored["num_classes"] == 20
+    assert restored["tries"] == part.tries
+    assert restored["train_counts"] == part.train_counts().tolist()
+    assert restored["test_counts"] == part.test_counts().tolist()
+    assert "train_indices" not in d and "test_indices" not in d
+
+
+def test_save_and_load_partition(part: Partition, tmp_path: Path) -> None:
+    out = tmp_path / "run" / "partition"
+    save_partition(part, out)
+    assert sorted(p.name for p in out.iterdir()) == ["partition.csv", "partition.json"]
+
+    for source in (out, out / "partition.json"):
+        loaded = load_partition_counts(source)
+        np.testing.assert_array_equal(loaded["train_counts"], part.train_counts())
+        np.testing.assert_array_equal(loaded["test_counts"], part.test_counts())
+        assert loaded["alpha"] == part.alpha and loaded["tries"] == part.tries
+
+    with (out / "partition.csv").open(newline="") as handle:
+        rows = list(csv.reader(handle))
+    assert rows[0] == ["client", "split"] + [f"class_{c}" for c in range(20)]
+    assert len(rows) == 1 + 2 * part.num_clients
+    for row in rows[1:]:
+        k, split = int(row[0]), row[1]
+        counts = part.train_counts() if split == "train" else part.test_counts()
+        assert split in ("train", "test")
+        assert [int(x) for x in row[2:]] == counts[k].tolist()
+
+
+def test_load_partition_counts_errors(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="No partition file"):
+        load_partition_counts(tmp_path)
+    (tmp_path / "partition.json").write_text("{not json")
+    with pytest.raises(DataError, match="Cannot read"):
+        load_partition_counts(tmp_path)
+    (tmp_path / "partition.json").write_text('{"num_clients": 2, "num_classes": 2}')
+    with pytest.raises(DataError, match="train_counts"):
+        load_partition_counts(tmp_path)
+
+
+def test_plot_partition_writes_png(part: Partition, tmp_path: Path) -> None:
+    path = plot_partition(
+        part.train_counts(),
+        tmp_path / "figs" / "partition.png",
+        title="alpha=0.3",
+        class_names=[f"c{i}" for i in range(20)],
+    )
+    assert path == tmp_path / "figs" / "partition.png"
+    data = path.read_bytes()
+    assert len(data) > 1000 and data.startswith(PNG_SIGNATURE)
+    assert [p.name for p in path.parent.iterdir()] == ["partition.png"], "temp file left behind"
+
+
+def test_plot_partitions_side_by_side(tmp_path: Path) -> None:
+    train, test = _labels([40] * 30), _labels([8] * 30)
+    panels = [
+        (
+            f"alpha={a}",
+            dirichlet_partition(
+                train, test, num_clients=10, alpha=a, seed=0, min_samples=1
+            ).train_counts(),
+        )
+        for a in (0.1, 0.5, 1.0)
+    ]
+    path = plot_partitions(panels, tmp_path / "three.png")
+    assert path.read_bytes().startswith(PNG_SIGNATURE)
+
+
+@pytest.mark.parametrize("counts", [np.zeros(5), np.array([[1, -1]]), np.array([[np.nan, 1.0]])])
+def test_plot_partition_rejects_bad_counts(counts: np.ndarray, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        plot_partition(counts, tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_partitions_rejects_no_panels(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        plot_partitions([], tmp_path / "x.png")
