@@ -883,7 +883,7 @@ def _as_index_tensor(
     if isinstance(indices, torch.Tensor):
         idx = indices.detach().to("cpu")
     else:
-        idx = torch.as_tensor(np.asarray(indices))
+        idx = torch.from_numpy(np.array(indices))  # a copy: partitions are read-only
     if idx.ndim != 1:
         raise DataError(f"indices must be 1-D, got shape {tuple(idx.shape)}")
     if idx.numel() == 0:
