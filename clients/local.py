@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from clients.state import ClientState
 from fedspc_app.config import RunConfig
@@ -31,7 +32,13 @@ from fedspc_app.task import (
     seeded_generator,
     state_arrays,
 )
-from fedspc_app.training import DriftCorrection, ProximalTerm, evaluate_model, train_epochs
+from fedspc_app.training import (
+    DriftCorrection,
+    LossFn,
+    ProximalTerm,
+    evaluate_model,
+    train_epochs,
+)
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,7 @@ def train_client(
     global_reference: Mapping[str, np.ndarray] | None = None,
     server_round: int = 1,
     partition_id: int = 0,
+    loss_fn: LossFn = F.cross_entropy,
 ) -> TrainOutcome:
     """Run one round of ``method``'s local training on this client.
 
@@ -119,6 +127,8 @@ def train_client(
     global_reference : dict | None
         ``u_bar^t`` (SCAFFOLD's ``c``) over ``split.corrected``; required when the
         control variates are on.
+    loss_fn : callable
+        The local objective's data term (default: cross-entropy).
     """
     correct_shared = uses_control_variates(method, config)
     if correct_shared and global_reference is None:
@@ -145,7 +155,7 @@ def train_client(
     batches = data.batches("train", generator)
     shared_steps = 0
     last_loss = float("nan")
-    examples = 0
+    examples_seen = 0
     for phase in method.phases:
         target = personal_model if phase.model == "personal" else model
         trainable = split.trainable(phase.train)
@@ -165,12 +175,13 @@ def train_client(
             momentum=config.momentum,
             weight_decay=config.weight_decay,
             hooks=hooks,
+            loss_fn=loss_fn,
         )
         if updates_shared:
             shared_steps += result.steps
         if result.examples:
             last_loss = result.mean_loss
-            examples = max(examples, result.examples)
+            examples_seen += result.examples
 
     final_shared = state_arrays(model, split.shared)
     change = None
@@ -195,6 +206,7 @@ def train_client(
         "num-examples": int(len(data.train_indices)),
         "train-loss": float(last_loss),
         "shared-steps": int(shared_steps),
+        "examples-seen": int(examples_seen),
     }
     return TrainOutcome(final_shared, new_state, shared_steps, change, metrics)
 

@@ -33,7 +33,8 @@ from fedspc_app.config import RunConfig
 
 SCALAR_COLUMNS = (
     "round", "accuracy", "weighted-accuracy", "loss", "train-loss", "clients",
-    "train-clients", "bytes-sent", "bytes-received", "round-seconds", "elapsed-seconds",
+    "train-clients", "bytes-sent", "bytes-received", "train-images", "images-per-second",
+    "round-seconds", "elapsed-seconds",
 )
 
 
@@ -180,9 +181,10 @@ class RunRecorder:
                      evaluate: MetricRecord | None) -> None:
         now = time.perf_counter()
         sent, received = self.traffic.take() if self.traffic else (0, 0)
+        seconds = now - self.last
         row: dict[str, Any] = {
             "round": server_round,
-            "round-seconds": round(now - self.last, 3),
+            "round-seconds": round(seconds, 3),
             "elapsed-seconds": round(now - self.started, 3),
             "bytes-sent": sent,
             "bytes-received": received,
@@ -191,6 +193,8 @@ class RunRecorder:
         if train is not None:
             row["train-loss"] = _clean(float(train.get("train-loss", float("nan"))))
             row["train-clients"] = int(train.get("clients", 0))
+            row["train-images"] = int(train.get("examples-seen", 0))
+            row["images-per-second"] = round(row["train-images"] / max(seconds, 1e-9), 1)
             if "global-reference-norm" in train:
                 row["global-reference-norm"] = float(train["global-reference-norm"])
         if evaluate is not None:

@@ -27,6 +27,9 @@ from torch.nn import functional as F
 Batches = Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]]
 """A callable returning a fresh iterator over one epoch of (images, labels)."""
 
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``loss_fn(outputs, targets)`` → scalar mean loss (default: cross-entropy)."""
+
 
 class GradientHook(Protocol):
     """Rewrites gradients in place after ``backward()`` and before ``step()``."""
@@ -96,6 +99,7 @@ def train_epochs(
     momentum: float = 0.0,
     weight_decay: float = 0.0,
     hooks: Iterable[GradientHook] = (),
+    loss_fn: LossFn = F.cross_entropy,
 ) -> EpochsResult:
     """Train ``model`` for ``epochs`` passes with SGD on the ``trainable`` parameters.
 
@@ -104,7 +108,7 @@ def train_epochs(
     BatchNorm statistics follow the data even for frozen blocks.
 
     Returns the number of optimizer steps taken, the examples seen and the summed
-    (data) loss.
+    (data) loss. ``loss_fn`` must return the mean loss of a batch.
     """
     named = dict(model.named_parameters())
     trainable = set(trainable)
@@ -128,7 +132,7 @@ def train_epochs(
         model.train()
         for _ in range(epochs):
             for images, labels in batches():
-                loss = F.cross_entropy(model(images), labels)
+                loss = loss_fn(model(images), labels)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 for hook in hooks:

@@ -186,6 +186,7 @@ class PersonalizedFedAvg(FedAvg):
             "clients": len(accepted),
             "train-loss": float(np.mean(losses)) if losses else float("nan"),
             "num-examples": int(sum(int(m["num-examples"]) for m in metrics)),
+            "examples-seen": int(sum(int(m.get("examples-seen", 0)) for m in metrics)),
         })
         self.last_train_metrics = summary
         return to_record(arrays), summary
