@@ -9,6 +9,7 @@ overridden by ``flwr run --run-config``). :func:`parse_run_config` turns it into
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -141,8 +142,10 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
     if kind == "int":
         if isinstance(value, bool):
             raise ConfigError(f"run-config '{key}' must be an integer, got {value!r}")
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
+        if isinstance(value, float):
+            if value.is_integer():
+                return int(value)
+            raise ConfigError(f"run-config '{key}' must be an integer, got {value!r}")
         try:
             return int(value)
         except (TypeError, ValueError):
@@ -243,7 +246,7 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunConfig:
         elif key.startswith("x-"):
             extra[key] = value
         else:
-            close = [k for k in known if k.split("-")[0] == key.split("-")[0]]
-            hint = f" (did you mean: {', '.join(sorted(close))}?)" if close else ""
+            close = difflib.get_close_matches(key.replace("_", "-"), known, n=3, cutoff=0.6)
+            hint = f" (did you mean: {', '.join(close)}?)" if close else ""
             raise ConfigError(f"unknown run-config key '{key}'{hint}")
     return validate(RunConfig(**values, extra=extra))

@@ -31,7 +31,9 @@ ArrayDict = dict[str, np.ndarray]
 # --------------------------------------------------------------------- records
 def to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     """An ArrayRecord holding ``arrays`` under their keys."""
-    return ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in arrays.items()})
+    # np.ascontiguousarray would turn 0-d arrays (BatchNorm's num_batches_tracked) into 1-d.
+    return ArrayRecord({key: Array(np.require(value, requirements="C"))
+                        for key, value in arrays.items()})
 
 
 def from_record(record: ArrayRecord) -> ArrayDict:

@@ -1,0 +1,6 @@
+"""Test configuration: the helpers in tests/ are importable as plain modules."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -1,0 +1,219 @@
+"""The real ServerApp and ClientApp, every method, run in one process (no Ray).
+
+These tests inspect every message that crosses the (in-process) wire: which keys
+it carries, that personalized parameters and local references never appear, and
+that the client state persists between rounds. See tests/inprocess.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Context, MessageType, RecordDict
+
+from fedspc_app import client_app, server_app
+from fedspc_app.config import parse_run_config
+from fedspc_app.data import load_dataset
+from fedspc_app.methods import METHODS, get_method
+from fedspc_app.task import from_record, make_model, parameter_split
+from inprocess import InProcessGrid
+
+NUM_CLIENTS = 3
+OUTPUT = Path(tempfile.mkdtemp(prefix="fedspc-inprocess-"))
+FORBIDDEN_RECORDS = {"personal", "local-reference", "personal-model", "client-info"}
+
+
+@functools.lru_cache(maxsize=None)
+def run_app(method: str, fedspc: bool, **overrides) -> tuple[InProcessGrid, dict]:
+    """Run two rounds of ``method`` on digits; cached per argument set."""
+    run_config = {
+        "method": method, "fedspc": fedspc, "num-rounds": 2, "local-epochs": 1,
+        "ditto-personal-epochs": 1, "batch-size": 64, "alpha": 0.5,
+        "output-dir": str(OUTPUT),
+        "run-name": f"{method}-{fedspc}-" + "-".join(f"{k}{v}" for k, v in
+                                                     sorted(overrides.items())),
+        **{key.replace("_", "-"): value for key, value in overrides.items()},
+    }
+    grid = InProcessGrid(client_app.app, NUM_CLIENTS, run_config)
+    server_app.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                  run_config=run_config))
+    run_dir = OUTPUT / run_config["run-name"]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    return grid, metrics
+
+
+def split_of(method: str):
+    config = parse_run_config({"method": method})
+    dataset = load_dataset("digits", None)
+    return parameter_split(make_model(config, dataset), get_method(method))
+
+
+def train_messages(grid: InProcessGrid, server_round: int):
+    return [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN
+            and m.content.config_records["config"]["server-round"] == server_round]
+
+
+def train_replies(grid: InProcessGrid):
+    return [m for m in grid.replies if m.metadata.message_type == MessageType.TRAIN]
+
+
+CASES = [(name, spc) for name in METHODS for spc in (False, True)
+         if not (METHODS[name].control_variates and spc)]
+
+
+@pytest.mark.parametrize(("method", "fedspc"), CASES)
+def test_messages_carry_only_the_shared_block(method, fedspc):
+    grid, metrics = run_app(method, fedspc)
+    split = split_of(method)
+    corrected = METHODS[method].control_variates or fedspc
+    assert len(grid.sent) == 2 * 2 * NUM_CLIENTS  # train + evaluate, two rounds
+    for message in grid.sent + grid.replies:
+        assert not message.has_error(), message.error
+        content = message.content
+        assert not FORBIDDEN_RECORDS & set(content.keys())
+        if "arrays" in content.array_records:
+            assert set(content.array_records["arrays"].keys()) == set(split.shared)
+        for record in content.array_records.values():
+            assert not set(record.keys()) & set(split.personal)
+    for message in train_messages(grid, 1) + train_messages(grid, 2):
+        has_reference = "global-reference" in message.content.array_records
+        assert has_reference == corrected
+        if has_reference:
+            keys = set(message.content.array_records["global-reference"].keys())
+            assert keys == set(split.corrected)
+    for message in train_replies(grid):
+        assert set(message.content.array_records) == {"arrays"}  # derived upload
+    # The results: two evaluated rounds and a complete summary.
+    assert [r["round"] for r in metrics["rounds"]] == [1, 2]
+    for row in metrics["rounds"]:
+        assert 0.0 <= row["accuracy"] <= 1.0
+        assert row["clients"] == NUM_CLIENTS
+        assert len(row["client-accuracy"]) == NUM_CLIENTS
+        assert row["accuracy"] == pytest.approx(np.mean(list(row["client-accuracy"].values())))
+    assert metrics["summary"]["complete"] is True
+
+
+@pytest.mark.parametrize(("method", "fedspc"), CASES)
+def test_client_state_persists_between_rounds(method, fedspc):
+    grid, _ = run_app(method, fedspc)
+    split = split_of(method)
+    spec = METHODS[method]
+    for pid in range(NUM_CLIENTS):
+        state = grid.state(pid)
+        assert state["client-info"]["rounds-trained"] == 2
+        if split.personal:
+            assert set(state["personal"].keys()) == set(split.personal)
+        else:
+            assert "personal" not in state
+        assert ("personal-model" in state) == spec.personal_model
+        if spec.control_variates or fedspc:
+            reference = from_record(state["local-reference"])
+            assert set(reference) == set(split.corrected)
+            assert any(np.any(v != 0) for v in reference.values())
+        else:
+            assert "local-reference" not in state
+    if spec.control_variates or fedspc:
+        round2 = from_record(train_messages(grid, 2)[0].content.array_records["global-reference"])
+        assert any(np.any(v != 0) for v in round2.values())
+
+
+def broadcasts(grid: InProcessGrid) -> list[dict]:
+    """The shared block the server broadcast for training, round by round, then the
+    final one (sent for the last evaluation)."""
+    out = [from_record(train_messages(grid, r)[0].content.array_records["arrays"])
+           for r in (1, 2)]
+    last_eval = [m for m in grid.sent if m.metadata.message_type == MessageType.EVALUATE][-1]
+    return out + [from_record(last_eval.content.array_records["arrays"])]
+
+
+def assert_same_arrays(a: dict, b: dict) -> None:
+    """Equal up to the CPU kernels' own rounding noise.
+
+    Two identical runs of the same method in one process already differ by about
+    1e-8 (oneDNN/MKL pick kernels by memory alignment), so exact equality cannot
+    be asked of two runs; a real difference in the algorithm (a missing or wrong
+    correction) moves parameters by orders of magnitude more (see
+    ``max_difference`` checks below).
+    """
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def max_difference(a: dict, b: dict) -> float:
+    return max(float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) for k in a)
+
+
+def test_fedspc_with_everything_shared_is_scaffold():
+    scaffold, scaffold_metrics = run_app("scaffold", False)
+    fedavg_spc, fedavg_spc_metrics = run_app("fedavg", True)
+    for a, b in zip(broadcasts(scaffold), broadcasts(fedavg_spc)):
+        assert_same_arrays(a, b)
+    for r in (1, 2):
+        assert_same_arrays(
+            from_record(train_messages(scaffold, r)[0].content.array_records["global-reference"]),
+            from_record(train_messages(fedavg_spc, r)[0].content.array_records["global-reference"]))
+    assert [r["accuracy"] for r in scaffold_metrics["rounds"]] == pytest.approx(
+        [r["accuracy"] for r in fedavg_spc_metrics["rounds"]], abs=0.01)
+    # The comparison has teeth: without the correction the model is elsewhere.
+    fedavg, _ = run_app("fedavg", False)
+    assert max_difference(broadcasts(fedavg)[2], broadcasts(scaffold)[2]) > 1e-4
+
+
+@pytest.mark.parametrize("method", ["fedrep", "ditto"])
+def test_explicit_and_derived_reference_uploads_agree(method):
+    derived, derived_metrics = run_app(method, True)
+    explicit, explicit_metrics = run_app(method, True, fedspc_upload="explicit")
+    for a, b in zip(broadcasts(derived), broadcasts(explicit)):
+        assert_same_arrays(a, b)
+    assert_same_arrays(
+        from_record(train_messages(derived, 2)[0].content.array_records["global-reference"]),
+        from_record(train_messages(explicit, 2)[0].content.array_records["global-reference"]))
+    for reply in train_replies(explicit):
+        assert set(reply.content.array_records) == {"arrays", "reference-change"}
+    # Derived mode uploads exactly what the base method uploads; explicit mode more.
+    base, base_metrics = run_app(method, False)
+    for row_base, row_derived, row_explicit in zip(base_metrics["rounds"],
+                                                   derived_metrics["rounds"],
+                                                   explicit_metrics["rounds"]):
+        assert row_derived["bytes-received"] == row_base["bytes-received"]
+        assert row_explicit["bytes-received"] > row_derived["bytes-received"]
+        assert row_derived["bytes-sent"] > row_base["bytes-sent"]  # u_bar goes down
+
+
+@pytest.mark.parametrize("method", ["fedper", "lgfedavg", "fedbabu"])
+def test_first_fedspc_round_equals_the_base_method(method):
+    """With u_bar = u_k = 0 the correction is zero, so round 1 is the base method's."""
+    base, _ = run_app(method, False)
+    corrected, _ = run_app(method, True)
+    assert_same_arrays(broadcasts(base)[1], broadcasts(corrected)[1])
+    # From round 2 on the correction acts.
+    assert max_difference(broadcasts(base)[2], broadcasts(corrected)[2]) > 1e-4
+
+
+def test_fedbabu_head_stays_at_the_common_initialisation():
+    grid, _ = run_app("fedbabu", True)
+    config = parse_run_config({"method": "fedbabu"})
+    initial = make_model(config, load_dataset("digits", None)).state_dict()
+    for pid in range(NUM_CLIENTS):
+        personal = from_record(grid.state(pid)["personal"])
+        for key, value in personal.items():
+            np.testing.assert_array_equal(value, initial[key].numpy())
+
+
+def test_a_failing_client_does_not_stop_the_round_or_commit_state():
+    run_config = {"method": "fedper", "fedspc": True, "num-rounds": 2, "local-epochs": 1,
+                  "alpha": 0.5, "output-dir": str(OUTPUT), "run-name": "failing"}
+    grid = InProcessGrid(client_app.app, NUM_CLIENTS, run_config)
+    grid.fail_nodes = {2}
+    server_app.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                  run_config=run_config))
+    assert "local-reference" not in grid.state(1)  # node 2 = partition 1
+    assert grid.state(0)["client-info"]["rounds-trained"] == 2
+    metrics = json.loads((OUTPUT / "failing" / "metrics.json").read_text())
+    assert [r["train-clients"] for r in metrics["rounds"]] == [2, 2]

@@ -1,0 +1,642 @@
+"""Tests of the server strategies (strategies.personalized, strategies.fedspc).
+
+Replies are hand-built Flower Messages fed straight into ``aggregate_train`` /
+``aggregate_evaluate``; ``configure_train`` gets a tiny fake grid.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Error,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedspc_app.correction import reference_change, shared_update
+from strategies import FedSPC, NoValidReplies, PersonalizedFedAvg, mean_arrays
+
+W = "body.weight"
+B = "body.bias"
+NBT = "bn.num_batches_tracked"
+_ids = itertools.count(1)
+
+
+# ------------------------------------------------------------------ helpers
+@pytest.fixture(autouse=True)
+def task_identity():
+    """Let ``Message(...)`` be constructed outside a running Flower app."""
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id = 1
+    TaskIdentity.node_id = 0
+    TaskIdentity.task_id = 1
+    yield
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = saved
+
+
+class FakeGrid:
+    """Just enough of a Grid for ``configure_train``: the connected node ids."""
+
+    def __init__(self, node_ids):
+        self.node_ids = list(node_ids)
+
+    def get_node_ids(self):
+        return list(self.node_ids)
+
+
+def record(arrays: dict) -> ArrayRecord:
+    return ArrayRecord({key: Array(np.asarray(value)) for key, value in arrays.items()})
+
+
+def arrays_of(rec: ArrayRecord) -> dict:
+    return {key: array.numpy() for key, array in rec.items()}
+
+
+def instruction(node: int) -> Message:
+    """A train instruction to ``node`` with a message id (so it can be replied to)."""
+    message = Message(content=RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN)
+    message.metadata.__dict__["_message_id"] = f"m{next(_ids)}"
+    return message
+
+
+def reply(arrays: dict, node: int = 1, extra_records: dict | None = None,
+          **metrics) -> Message:
+    """A train reply carrying ``arrays`` and the MetricRecord ``metrics``."""
+    content = RecordDict({"arrays": record(arrays), "metrics": MetricRecord(metrics)})
+    for key, value in (extra_records or {}).items():
+        content[key] = value
+    return Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN)
+
+
+def error_reply(node: int = 9, reason: str = "boom") -> Message:
+    return Message(Error(code=0, reason=reason), reply_to=instruction(node))
+
+
+def eval_reply(partition_id: int, correct: int, n: int, loss_sum: float,
+               node: int = 1) -> Message:
+    metrics = MetricRecord({"partition-id": partition_id, "correct": correct,
+                            "num-examples": n, "loss-sum": loss_sum})
+    return Message(content=RecordDict({"metrics": metrics}), dst_node_id=node,
+                   message_type=MessageType.EVALUATE)
+
+
+def f32(*values) -> np.ndarray:
+    return np.array(values, dtype=np.float32)
+
+
+SHARED = {W: f32(1.0, 2.0, 3.0), B: f32(0.5), NBT: np.array(4, dtype=np.int64)}
+
+
+def strategy(**kwargs) -> PersonalizedFedAvg:
+    """A PersonalizedFedAvg whose broadcast is SHARED (set through configure_train)."""
+    result = PersonalizedFedAvg(shared_keys=list(SHARED), **kwargs)
+    result.configure_train(1, record(SHARED), ConfigRecord(), FakeGrid([1, 2]))
+    return result
+
+
+GOOD_A = {W: f32(1.0, 2.0, 3.0), B: f32(1.0), NBT: np.array(10, dtype=np.int64)}
+GOOD_B = {W: f32(3.0, 4.0, 7.0), B: f32(2.0), NBT: np.array(14, dtype=np.int64)}
+
+
+# ========================================================= PersonalizedFedAvg
+def test_unweighted_mean_is_the_default():
+    # Prepare
+    server = strategy()
+    replies = [reply(GOOD_A, node=1, **{"num-examples": 10, "train-loss": 1.0}),
+               reply(GOOD_B, node=2, **{"num-examples": 30, "train-loss": 3.0})]
+
+    # Execute
+    arrays, metrics = server.aggregate_train(1, replies)
+
+    # Assert: (a + b) / 2, whatever the sample counts
+    out = arrays_of(arrays)
+    assert set(out) == set(SHARED)
+    np.testing.assert_allclose(out[W], [2.0, 3.0, 5.0])
+    np.testing.assert_allclose(out[B], [1.5])
+    assert out[NBT] == 12
+    assert metrics["clients"] == 2
+    assert metrics["num-examples"] == 40
+    assert metrics["train-loss"] == pytest.approx(2.0)
+
+
+def test_weighted_mean_uses_num_examples():
+    # Prepare
+    server = strategy(aggregation="weighted")
+    replies = [reply(GOOD_A, node=1, **{"num-examples": 10}),
+               reply(GOOD_B, node=2, **{"num-examples": 30})]
+
+    # Execute
+    out = arrays_of(server.aggregate_train(1, replies)[0])
+
+    # Assert: (10 a + 30 b) / 40
+    np.testing.assert_allclose(out[W], [(10 * 1 + 30 * 3) / 40, (10 * 2 + 30 * 4) / 40,
+                                        (10 * 3 + 30 * 7) / 40], rtol=1e-6)
+    np.testing.assert_allclose(out[B], [(10 * 1 + 30 * 2) / 40], rtol=1e-6)
+    assert out[NBT] == (10 * 10 + 30 * 14) / 40  # = 13
+
+
+def test_unknown_aggregation_is_rejected():
+    with pytest.raises(ValueError, match="aggregation"):
+        PersonalizedFedAvg(shared_keys=[W], aggregation="median")
+
+
+def test_mean_arrays_keeps_dtypes_and_rounds_integers():
+    # Prepare
+    updates = [
+        {"f": f32(0.1, 1.0), "i": np.array([1, 1], dtype=np.int64)},
+        {"f": f32(0.2, 2.0), "i": np.array([1, 2], dtype=np.int64)},
+        {"f": f32(0.4, 4.0), "i": np.array([2, 2], dtype=np.int64)},
+    ]
+
+    # Execute
+    out = mean_arrays(updates, [1.0, 1.0, 1.0])
+
+    # Assert: means 4/3 -> 1 and 5/3 -> 2 (rounded, not truncated)
+    assert out["f"].dtype == np.float32
+    assert out["i"].dtype == np.int64
+    np.testing.assert_array_equal(out["i"], [1, 2])
+    np.testing.assert_allclose(out["f"], [0.7 / 3, 7.0 / 3], rtol=1e-6)
+
+
+def test_aggregate_train_keeps_dtypes():
+    server = strategy()
+    replies = [reply(GOOD_A, node=1, **{"num-examples": 1}),
+               reply(GOOD_B, node=2, **{"num-examples": 1})]
+    out = arrays_of(server.aggregate_train(1, replies)[0])
+    assert out[W].dtype == np.float32
+    assert out[B].dtype == np.float32
+    assert out[NBT].dtype == np.int64
+
+
+def test_aggregate_train_keeps_shapes_including_0d_buffers():
+    """BatchNorm's num_batches_tracked is a 0-d tensor; it must stay 0-d.
+
+    Otherwise the next broadcast has shape (1,), every client reply (shape ())
+    is rejected by check_reply, and clients cannot load the broadcast either.
+    """
+    # Prepare
+    server = strategy()
+    replies = [reply(GOOD_A, node=1, **{"num-examples": 1}),
+               reply(GOOD_B, node=2, **{"num-examples": 1})]
+
+    # Execute
+    arrays, _ = server.aggregate_train(1, replies)
+
+    # Assert
+    out = arrays_of(arrays)
+    assert {key: value.shape for key, value in out.items()} == {
+        key: value.shape for key, value in SHARED.items()}
+
+
+def test_aggregated_arrays_can_be_broadcast_next_round():
+    # Prepare: round 1 aggregated into the round-2 broadcast
+    server = strategy()
+    arrays, _ = server.aggregate_train(1, [reply(GOOD_A, node=1, **{"num-examples": 1})])
+    server.configure_train(2, arrays, ConfigRecord(), FakeGrid([1, 2]))
+
+    # Execute / Assert: a reply shaped like the model's state dict is accepted
+    assert server.check_reply(reply(GOOD_B, node=2, **{"num-examples": 1})) is None
+
+
+def _bad_replies() -> dict:
+    personal = dict(GOOD_B, **{"head.weight": f32(9.0)})
+    missing = {k: v for k, v in GOOD_B.items() if k != B}
+    wrong_shape = dict(GOOD_B, **{W: f32(1.0, 2.0)})
+    nan = dict(GOOD_B, **{W: f32(1.0, np.nan, 3.0)})
+    inf = dict(GOOD_B, **{B: f32(np.inf)})
+    return {
+        "personal-key": (reply(personal, node=3, **{"num-examples": 5}), "head.weight"),
+        "missing-key": (reply(missing, node=3, **{"num-examples": 5}), B),
+        "wrong-shape": (reply(wrong_shape, node=3, **{"num-examples": 5}), "shape"),
+        "nan": (reply(nan, node=3, **{"num-examples": 5}), "non-finite"),
+        "inf": (reply(inf, node=3, **{"num-examples": 5}), "non-finite"),
+        "no-num-examples": (reply(GOOD_B, node=3, **{"train-loss": 1.0}), "num-examples"),
+        "zero-num-examples": (reply(GOOD_B, node=3, **{"num-examples": 0}), "num-examples"),
+        "float-num-examples": (reply(GOOD_B, node=3, **{"num-examples": 5.0}),
+                               "num-examples"),
+        "error": (error_reply(node=3, reason="boom"), "boom"),
+    }
+
+
+BAD_KINDS = [
+    "personal-key", "missing-key", "wrong-shape", "nan", "inf", "no-num-examples",
+    "zero-num-examples", "float-num-examples", "error",
+]
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS)
+def test_bad_reply_is_dropped_and_the_others_aggregated(kind):
+    # Prepare: two good replies and one bad one
+    server = strategy()
+    bad, _ = _bad_replies()[kind]
+    replies = [reply(GOOD_A, node=1, **{"num-examples": 10}), bad,
+               reply(GOOD_B, node=2, **{"num-examples": 30})]
+
+    # Execute
+    arrays, metrics = server.aggregate_train(1, replies)
+
+    # Assert: the result is the mean of the two good ones only
+    out = arrays_of(arrays)
+    assert set(out) == set(SHARED)
+    np.testing.assert_allclose(out[W], [2.0, 3.0, 5.0])
+    np.testing.assert_allclose(out[B], [1.5])
+    assert out[NBT] == 12
+    assert metrics["clients"] == 2
+    assert metrics["num-examples"] == 40
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS)
+def test_check_reply_gives_a_reason(kind):
+    server = strategy()
+    bad, needle = _bad_replies()[kind]
+    reason = server.check_reply(bad)
+    assert reason is not None and needle in reason
+    assert server.check_reply(reply(GOOD_A, **{"num-examples": 1})) is None
+
+
+def test_all_replies_bad_raises_no_valid_replies_with_reasons():
+    # Prepare
+    server = strategy()
+    bad = _bad_replies()
+    replies = [bad["error"][0], bad["nan"][0], bad["personal-key"][0]]
+
+    # Execute
+    with pytest.raises(NoValidReplies) as info:
+        server.aggregate_train(4, replies)
+
+    # Assert
+    message = str(info.value)
+    assert "round 4" in message
+    assert "3" in message
+    assert "boom" in message
+    assert "non-finite" in message
+    assert "head.weight" in message
+
+
+def test_no_replies_at_all_raises_no_valid_replies():
+    with pytest.raises(NoValidReplies):
+        strategy().aggregate_train(1, [])
+
+
+@pytest.mark.parametrize(
+    "arrays",
+    [
+        dict(SHARED, **{"head.weight": f32(1.0)}),  # a personal key too
+        {W: SHARED[W], NBT: SHARED[NBT]},  # a shared key missing
+    ],
+    ids=["extra-key", "missing-key"],
+)
+def test_configure_train_refuses_arrays_other_than_the_shared_keys(arrays):
+    server = PersonalizedFedAvg(shared_keys=list(SHARED))
+    with pytest.raises(ValueError, match="shared keys"):
+        server.configure_train(1, record(arrays), ConfigRecord(), FakeGrid([1, 2, 3]))
+
+
+def test_configure_train_messages_carry_only_the_shared_keys():
+    # Prepare
+    server = PersonalizedFedAvg(shared_keys=list(SHARED))
+    grid = FakeGrid([11, 12, 13])
+
+    # Execute
+    messages = list(server.configure_train(2, record(SHARED), ConfigRecord({"lr": 0.1}),
+                                           grid))
+
+    # Assert
+    assert sorted(m.metadata.dst_node_id for m in messages) == [11, 12, 13]
+    for message in messages:
+        assert message.metadata.message_type == MessageType.TRAIN
+        assert list(message.content.array_records) == ["arrays"]
+        sent = arrays_of(message.content.array_records["arrays"])
+        assert set(sent) == set(SHARED)
+        for key, value in SHARED.items():
+            np.testing.assert_array_equal(sent[key], value)
+        assert message.content.config_records["config"]["server-round"] == 2
+    assert set(server.broadcast) == set(SHARED)
+
+
+def test_aggregate_evaluate_personalized_and_weighted_accuracy():
+    # Prepare: partition ids out of order, very different test-set sizes
+    calls = []
+    server = PersonalizedFedAvg(shared_keys=[W],
+                                on_round_end=lambda *args: calls.append(args))
+    replies = [
+        eval_reply(partition_id=2, correct=9, n=10, loss_sum=3.0, node=3),
+        error_reply(node=7, reason="eval broke"),
+        eval_reply(partition_id=0, correct=1, n=4, loss_sum=8.0, node=1),
+        eval_reply(partition_id=1, correct=30, n=40, loss_sum=16.0, node=2),
+    ]
+
+    # Execute
+    result = server.aggregate_evaluate(5, replies)
+
+    # Assert
+    assert result["accuracy"] == pytest.approx((0.25 + 0.75 + 0.9) / 3)
+    assert result["weighted-accuracy"] == pytest.approx(40 / 54)
+    assert result["loss"] == pytest.approx(27.0 / 54)
+    assert result["clients"] == 3
+    assert list(result["client-ids"]) == [0, 1, 2]
+    assert list(result["client-accuracy"]) == pytest.approx([0.25, 0.75, 0.9])
+    assert list(result["client-examples"]) == [4, 40, 10]
+    assert calls == [(5, None, result)]
+
+
+def test_aggregate_evaluate_reports_the_last_train_metrics():
+    # Prepare
+    calls = []
+    server = strategy(on_round_end=lambda *args: calls.append(args))
+    _, train_metrics = server.aggregate_train(
+        3, [reply(GOOD_A, node=1, **{"num-examples": 10, "train-loss": 0.5})])
+
+    # Execute
+    result = server.aggregate_evaluate(3, [eval_reply(0, 5, 10, 2.0)])
+
+    # Assert
+    assert len(calls) == 1
+    round_, train, evaluation = calls[0]
+    assert round_ == 3
+    assert train is train_metrics
+    assert train["clients"] == 1 and train["train-loss"] == pytest.approx(0.5)
+    assert evaluation is result
+    assert result["accuracy"] == pytest.approx(0.5)
+
+
+def test_aggregate_evaluate_with_only_errors_returns_none_and_still_calls_back():
+    calls = []
+    server = PersonalizedFedAvg(shared_keys=[W],
+                                on_round_end=lambda *args: calls.append(args))
+    assert server.aggregate_evaluate(1, [error_reply(), error_reply()]) is None
+    assert calls == [(1, None, None)]
+
+
+# ===================================================================== FedSPC
+WK = "body.weight"  # shared and corrected
+BN = "body.bn.num_batches_tracked"  # shared, averaged, not corrected
+ETA = 0.1
+
+
+def fedspc(upload: str = "derived", fraction_train: float = 1.0) -> FedSPC:
+    inner = PersonalizedFedAvg(shared_keys=[WK, BN], fraction_train=fraction_train)
+    return FedSPC(inner, corrected_keys=[WK], learning_rate=ETA, upload=upload)
+
+
+def spc_reply(final_w, bn: int, steps: int | None, node: int,
+              change: dict | None = None) -> Message:
+    metrics = {"num-examples": 20, "train-loss": 1.0}
+    if steps is not None:
+        metrics["shared-steps"] = steps
+    extra = {"reference-change": record(change)} if change is not None else None
+    return reply({WK: np.asarray(final_w, dtype=np.float32),
+                  BN: np.array(bn, dtype=np.int64)}, node=node, extra_records=extra,
+                 **metrics)
+
+
+def test_corrected_keys_outside_the_shared_keys_are_rejected():
+    inner = PersonalizedFedAvg(shared_keys=[WK, BN])
+    with pytest.raises(ValueError, match="head.weight"):
+        FedSPC(inner, corrected_keys=[WK, "head.weight"], learning_rate=ETA)
+
+
+def test_unknown_upload_mode_is_rejected():
+    inner = PersonalizedFedAvg(shared_keys=[WK, BN])
+    with pytest.raises(ValueError, match="upload"):
+        FedSPC(inner, corrected_keys=[WK], learning_rate=ETA, upload="both")
+
+
+@pytest.mark.parametrize("upload", ["derived", "explicit"])
+def test_configure_train_adds_zero_global_reference_and_upload_mode(upload):
+    # Prepare
+    server = fedspc(upload)
+    theta = {WK: f32(1.0, -2.0), BN: np.array(10, dtype=np.int64)}
+
+    # Execute
+    messages = list(server.configure_train(1, record(theta), ConfigRecord(),
+                                           FakeGrid([1, 2, 3])))
+
+    # Assert
+    assert len(messages) == 3
+    for message in messages:
+        reference = arrays_of(message.content.array_records["global-reference"])
+        assert set(reference) == {WK}  # exactly the corrected keys, not BN
+        assert reference[WK].dtype == np.float32
+        np.testing.assert_array_equal(reference[WK], [0.0, 0.0])
+        assert set(arrays_of(message.content.array_records["arrays"])) == {WK, BN}
+        config = message.content.config_records["config"]
+        assert config["reference-upload"] == upload
+        assert config["server-round"] == 1
+    assert server.num_clients == 3
+
+
+def test_two_rounds_partial_participation_by_hand():
+    """K = 3 connected nodes, 2 replies per round, eta = 0.1, E_k = 2 and 4."""
+    server = fedspc(fraction_train=0.67)  # int(3 * 0.67) = 2 sampled of 3
+    grid = FakeGrid([1, 2, 3])
+    K, eta = 3, 0.1
+
+    # ---------------------------------------------------------------- round 1
+    # Prepare
+    theta1 = np.array([1.0, -2.0])
+    u_bar0 = np.zeros(2)
+    final_a, steps_a = np.array([0.7, -1.5]), 2
+    final_b, steps_b = np.array([1.4, -2.2]), 4
+    messages = list(server.configure_train(
+        1, record({WK: theta1.astype(np.float32), BN: np.array(10, dtype=np.int64)}),
+        ConfigRecord(), grid))
+    assert len(messages) == 2
+
+    # Execute
+    arrays1, metrics1 = server.aggregate_train(1, [
+        spc_reply(final_a, 12, steps_a, node=1),
+        spc_reply(final_b, 16, steps_b, node=2),
+    ])
+
+    # Assert: theta = plain mean of the final params; BN averaged, not corrected
+    out1 = arrays_of(arrays1)
+    np.testing.assert_allclose(out1[WK], (final_a + final_b) / 2, rtol=1e-6)
+    np.testing.assert_allclose(out1[WK], [1.05, -1.85], rtol=1e-6)
+    assert out1[WK].dtype == np.float32
+    assert out1[BN] == 14 and out1[BN].dtype == np.int64
+    assert out1[BN].shape == (), "a 0-d buffer must stay 0-d in the new arrays"
+    # u_k^{t+1} - u_k^t = -u_bar^t - (final - theta) / (E eta)
+    change_a = -u_bar0 - (final_a - theta1) / (steps_a * eta)  # [1.5, -2.5]
+    change_b = -u_bar0 - (final_b - theta1) / (steps_b * eta)  # [-1.0, 0.5]
+    u_bar1 = u_bar0 + (change_a + change_b) / K  # [1/6, -2/3]
+    np.testing.assert_allclose(u_bar1, [1 / 6, -2 / 3], rtol=1e-12)
+    assert set(server.global_reference) == {WK}
+    assert server.global_reference[WK].dtype == np.float32
+    np.testing.assert_allclose(server.global_reference[WK], u_bar1, rtol=1e-5, atol=1e-6)
+    assert metrics1["global-reference-norm"] == pytest.approx(np.linalg.norm(u_bar1),
+                                                              rel=1e-5)
+    assert metrics1["clients"] == 2
+
+    # ---------------------------------------------------------------- round 2
+    # Prepare: the new theta goes out with u_bar^1
+    theta2 = out1[WK].astype(np.float64)
+    messages = list(server.configure_train(2, arrays1, ConfigRecord(), grid))
+    sent_reference = arrays_of(messages[0].content.array_records["global-reference"])
+    np.testing.assert_allclose(sent_reference[WK], u_bar1, rtol=1e-5, atol=1e-6)
+    final_c, steps_c = theta2 + np.array([0.1, -0.2]), 4
+    final_a2, steps_a2 = theta2 + np.array([-0.3, 0.1]), 2
+
+    # Execute
+    arrays2, _ = server.aggregate_train(2, [
+        spc_reply(final_c, 20, steps_c, node=3),
+        spc_reply(final_a2, 18, steps_a2, node=1),
+    ])
+
+    # Assert
+    out2 = arrays_of(arrays2)
+    np.testing.assert_allclose(out2[WK], (final_c + final_a2) / 2, rtol=1e-6)
+    assert out2[BN] == 19
+    change_c = -u_bar1 - (final_c - theta2) / (steps_c * eta)  # -u_bar1 - [0.25, -0.5]
+    change_a2 = -u_bar1 - (final_a2 - theta2) / (steps_a2 * eta)  # -u_bar1 - [-1.5, 0.5]
+    u_bar2 = u_bar1 + (change_c + change_a2) / K
+    # = u_bar1/3 + [1.25, 0]/3 = [1/18 + 5/12, -2/9]
+    np.testing.assert_allclose(u_bar2, [1 / 18 + 5 / 12, -2 / 9], rtol=1e-12)
+    np.testing.assert_allclose(server.global_reference[WK], u_bar2, rtol=1e-5, atol=1e-5)
+
+
+def test_k_counts_the_connected_nodes_not_the_replies():
+    # Prepare: 4 connected, only one reply
+    server = fedspc()
+    server.configure_train(1, record({WK: f32(0.0, 0.0), BN: np.array(0)}),
+                           ConfigRecord(), FakeGrid([1, 2, 3, 4]))
+
+    # Execute: Delta = [0.2, -0.4], E = 1 -> change = [-2, 4]; u_bar = change / 4
+    server.aggregate_train(1, [spc_reply([0.2, -0.4], 0, 1, node=1)])
+
+    # Assert
+    np.testing.assert_allclose(server.global_reference[WK], [-0.5, 1.0], rtol=1e-5)
+
+
+def _play_two_rounds(upload: str, with_change: bool) -> list[np.ndarray]:
+    """Run two rounds; return u_bar after each (explicit replies carry the change)."""
+    server = fedspc(upload)
+    grid = FakeGrid([1, 2, 3])
+    # (a 1-element buffer, so this test is only about the reference change)
+    arrays = record({WK: f32(0.3, -0.7), BN: np.array([5], dtype=np.int64)})
+    plans = [
+        [([0.1, -0.4], 7, 3, 1), ([0.9, -1.1], 9, 5, 2), ([0.35, -0.65], 6, 1, 3)],
+        [([0.2, 0.3], 11, 2, 2), ([0.6, -0.9], 13, 7, 3)],
+    ]
+    history = []
+    for server_round, plan in enumerate(plans, start=1):
+        messages = list(server.configure_train(server_round, arrays, ConfigRecord(), grid))
+        received = arrays_of(messages[0].content.array_records["arrays"])
+        u_bar = arrays_of(messages[0].content.array_records["global-reference"])
+        replies = []
+        for final, bn, steps, node in plan:
+            final = {WK: np.asarray(final, dtype=np.float32)}
+            change = None
+            if with_change:  # what the client computes and uploads
+                change = reference_change(shared_update(final, received, [WK]), u_bar,
+                                          steps=steps, learning_rate=ETA)
+            replies.append(spc_reply(final[WK], [bn], steps, node, change=change))
+        arrays, _ = server.aggregate_train(server_round, replies)
+        history.append(server.global_reference[WK].copy())
+    return history
+
+
+def test_explicit_upload_is_bit_identical_to_derived():
+    derived = _play_two_rounds("derived", with_change=False)
+    explicit = _play_two_rounds("explicit", with_change=True)
+    for d, e in zip(derived, explicit):
+        assert d.dtype == e.dtype == np.float32
+        np.testing.assert_array_equal(d, e)
+    assert not np.array_equal(derived[0], derived[1])  # the rounds actually moved u_bar
+    assert np.any(derived[0] != 0)
+
+
+def _explicit_round(bad: Message) -> tuple[FedSPC, dict]:
+    """One explicit round with a good reply from node 1 and ``bad``."""
+    server = fedspc("explicit")
+    server.configure_train(1, record({WK: f32(1.0, 1.0), BN: np.array(0)}),
+                           ConfigRecord(), FakeGrid([1, 2]))
+    good_change = {WK: f32(-2.0, 4.0)}
+    arrays, metrics = server.aggregate_train(
+        1, [spc_reply([1.2, 0.6], 2, 1, node=1, change=good_change), bad])
+    assert metrics["clients"] == 1
+    return server, arrays_of(arrays)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [None, {"body.other": f32(1.0, 1.0)}, {WK: f32(1.0, 1.0), BN: np.array(1.0)},
+     {WK: f32(1.0)}, {WK: f32(np.nan, 1.0)}],
+    ids=["missing", "wrong-key", "extra-key", "wrong-shape", "nan"],
+)
+def test_explicit_reply_with_a_bad_reference_change_is_dropped(change):
+    # Execute
+    server, out = _explicit_round(spc_reply([5.0, 5.0], 8, 1, node=2, change=change))
+
+    # Assert: only the good reply counted, for theta and for u_bar (K = 2)
+    np.testing.assert_allclose(out[WK], [1.2, 0.6], rtol=1e-6)
+    assert out[BN] == 2
+    np.testing.assert_allclose(server.global_reference[WK], [-1.0, 2.0], rtol=1e-6)
+
+
+def test_explicit_reply_without_reference_change_alone_raises():
+    server = fedspc("explicit")
+    server.configure_train(1, record({WK: f32(1.0, 1.0), BN: np.array(0)}),
+                           ConfigRecord(), FakeGrid([1, 2]))
+    with pytest.raises(NoValidReplies, match="reference-change"):
+        server.aggregate_train(1, [spc_reply([1.2, 0.6], 2, 1, node=1)])
+
+
+@pytest.mark.parametrize("upload", ["derived", "explicit"])
+@pytest.mark.parametrize("steps", [None, 0, -1], ids=["missing", "zero", "negative"])
+def test_reply_without_positive_shared_steps_is_dropped(upload, steps):
+    # Prepare
+    server = fedspc(upload)
+    theta = {WK: f32(1.0, 1.0), BN: np.array(0, dtype=np.int64)}
+    server.configure_train(1, record(theta), ConfigRecord(), FakeGrid([1, 2]))
+    good_change = {WK: f32(-2.0, 4.0)}  # = -0 - [0.2, -0.4] / (1 * 0.1)
+    good = spc_reply([1.2, 0.6], 2, 1, node=1, change=good_change)
+    bad = spc_reply([5.0, 5.0], 8, steps, node=2, change={WK: f32(3.0, 3.0)})
+
+    # Execute
+    arrays, metrics = server.aggregate_train(1, [bad, good])
+
+    # Assert
+    assert metrics["clients"] == 1
+    np.testing.assert_allclose(arrays_of(arrays)[WK], [1.2, 0.6], rtol=1e-6)
+    np.testing.assert_allclose(server.global_reference[WK], [-1.0, 2.0], rtol=1e-5)
+
+
+def test_all_replies_without_shared_steps_raise():
+    server = fedspc()
+    server.configure_train(1, record({WK: f32(1.0, 1.0), BN: np.array(0)}),
+                           ConfigRecord(), FakeGrid([1, 2]))
+    with pytest.raises(NoValidReplies, match="shared-steps"):
+        server.aggregate_train(1, [spc_reply([1.2, 0.6], 2, 0, node=1),
+                                   spc_reply([1.2, 0.6], 2, None, node=2)])
+
+
+def test_fedspc_error_reply_is_dropped():
+    server = fedspc()
+    server.configure_train(1, record({WK: f32(1.0, 1.0), BN: np.array(0)}),
+                           ConfigRecord(), FakeGrid([1, 2]))
+    arrays, metrics = server.aggregate_train(
+        1, [error_reply(node=2), spc_reply([1.2, 0.6], 2, 1, node=1)])
+    assert metrics["clients"] == 1
+    np.testing.assert_allclose(server.global_reference[WK], [-1.0, 2.0], rtol=1e-5)
+
+
+def test_fedspc_evaluation_is_delegated():
+    calls = []
+    inner = PersonalizedFedAvg(shared_keys=[WK, BN],
+                               on_round_end=lambda *args: calls.append(args))
+    server = FedSPC(inner, corrected_keys=[WK], learning_rate=ETA)
+    result = server.aggregate_evaluate(2, [eval_reply(0, 3, 4, 1.0),
+                                           eval_reply(1, 1, 4, 3.0)])
+    assert result["accuracy"] == pytest.approx(0.5)
+    assert result["loss"] == pytest.approx(0.5)
+    assert calls == [(2, None, result)]
