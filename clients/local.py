@@ -207,6 +207,7 @@ def train_client(
         "train-loss": float(last_loss),
         "shared-steps": int(shared_steps),
         "examples-seen": int(examples_seen),
+        "rounds-trained": new_state.rounds_trained,
     }
     return TrainOutcome(final_shared, new_state, shared_steps, change, metrics)
 

@@ -21,6 +21,7 @@ import json
 import math
 import numbers
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -701,3 +702,38 @@ def plot_partitions(
     if title:
         fig.suptitle(title)
     return _save_figure(fig, Path(path))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m fedspc_app.partition RUN_DIR... [-o PNG]``: draw saved partitions.
+
+    One run folder (or partition.json) gives one heatmap; several give side-by-side
+    panels titled by their alpha, like the paper's Figures 3 and 4.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="run folders or partition.json files")
+    parser.add_argument("-o", "--output", help="PNG to write (default: <run>/partition.png)")
+    args = parser.parse_args(argv)
+    try:
+        loaded = [load_partition_counts(path) for path in args.runs]
+    except DataError as error:
+        print(f"fedspc: {error}", file=sys.stderr)
+        return 1
+    first = Path(args.runs[0])
+    default = (first if first.is_dir() else first.parent) / "partition.png"
+    output = Path(args.output) if args.output else default
+    if len(loaded) == 1:
+        data = loaded[0]
+        plot_partition(data["train_counts"], output,
+                       title=f"alpha = {data['alpha']:g}, {data['num_clients']} clients")
+    else:
+        plot_partitions([(f"alpha = {d['alpha']:g}", d["train_counts"]) for d in loaded],
+                        output)
+    print(output)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -194,6 +194,7 @@ class RunRecorder:
             row["train-loss"] = _clean(float(train.get("train-loss", float("nan"))))
             row["train-clients"] = int(train.get("clients", 0))
             row["train-images"] = int(train.get("examples-seen", 0))
+            row["min-rounds-trained"] = int(train.get("min-rounds-trained", 0))
             row["images-per-second"] = round(row["train-images"] / max(seconds, 1e-9), 1)
             if "global-reference-norm" in train:
                 row["global-reference-norm"] = float(train["global-reference-norm"])

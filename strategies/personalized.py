@@ -187,6 +187,8 @@ class PersonalizedFedAvg(FedAvg):
             "train-loss": float(np.mean(losses)) if losses else float("nan"),
             "num-examples": int(sum(int(m["num-examples"]) for m in metrics)),
             "examples-seen": int(sum(int(m.get("examples-seen", 0)) for m in metrics)),
+            # Rounds each client has completed, as its persisted state says.
+            "min-rounds-trained": int(min(int(m.get("rounds-trained", 0)) for m in metrics)),
         })
         self.last_train_metrics = summary
         return to_record(arrays), summary
