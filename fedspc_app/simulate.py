@@ -249,15 +249,10 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 
 
 def parse_assignments(text: str) -> dict[str, Any]:
-    """``"a=1 b='x'"`` → ``{"a": 1, "b": "x"}`` (values are TOML)."""
-    import shlex
-    import tomllib
+    """``"a=1 b='x'"`` → ``{"a": 1, "b": "x"}`` (values are TOML), as ``flwr run`` reads them."""
+    from flwr.common.config import parse_config_args
 
-    out: dict[str, Any] = {}
-    for item in shlex.split(text, posix=False):
-        key, _, value = item.partition("=")
-        out[key] = tomllib.loads(f"v = {value}")["v"]
-    return out
+    return dict(parse_config_args([text])) if text.strip() else {}
 
 
 def main(argv: list[str] | None = None) -> int:
