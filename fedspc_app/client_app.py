@@ -56,11 +56,15 @@ class ClientSetup:
         return cls(config, method, data, parameter_split(model, method), model,
                    partition_id, int(message_config.get("server-round", 0)))
 
-    def received(self, message: Message) -> dict:
+    def arguments(self, message: Message, context: Context) -> dict:
+        """Keyword arguments shared by :func:`train_client` and :func:`evaluate_client`."""
         received = from_record(message.content.array_records[ARRAYS])
         if set(received) != set(self.split.shared):
             raise ValueError("the server sent arrays that are not this method's shared block")
-        return received
+        return dict(config=self.config, method=self.method, model=self.model,
+                    split=self.split, received=received,
+                    state=ClientState.load(context.state), data=self.data,
+                    server_round=self.server_round, partition_id=self.partition_id)
 
 
 @app.train()
@@ -70,18 +74,8 @@ def train(message: Message, context: Context) -> Message:
     global_reference = None
     if GLOBAL_REFERENCE in message.content.array_records:
         global_reference = from_record(message.content.array_records[GLOBAL_REFERENCE])
-    outcome = train_client(
-        config=setup.config,
-        method=setup.method,
-        model=setup.model,
-        split=setup.split,
-        received=setup.received(message),
-        state=ClientState.load(context.state),
-        data=setup.data,
-        global_reference=global_reference,
-        server_round=setup.server_round,
-        partition_id=setup.partition_id,
-    )
+    outcome = train_client(**setup.arguments(message, context),
+                           global_reference=global_reference)
     content = RecordDict({
         ARRAYS: to_record(outcome.shared),
         METRICS: MetricRecord({**outcome.metrics, "partition-id": setup.partition_id}),
@@ -97,17 +91,7 @@ def train(message: Message, context: Context) -> Message:
 def evaluate(message: Message, context: Context) -> Message:
     """Personalized accuracy on this client's own test split."""
     setup = ClientSetup.from_message(message, context)
-    outcome = evaluate_client(
-        config=setup.config,
-        method=setup.method,
-        model=setup.model,
-        split=setup.split,
-        received=setup.received(message),
-        state=ClientState.load(context.state),
-        data=setup.data,
-        server_round=setup.server_round,
-        partition_id=setup.partition_id,
-    )
+    outcome = evaluate_client(**setup.arguments(message, context))
     metrics = MetricRecord({
         "num-examples": outcome.examples,
         "correct": outcome.correct,

@@ -24,13 +24,11 @@ Loaded datasets are cached per process (see :func:`load_dataset`, :func:`clear_c
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
 import os
 import pickle
-import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -42,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from fedspc_app.errors import ConfigError, DataError
+from fedspc_app.files import atomic_open
 
 __all__ = [
     "DATASET_NAMES",
@@ -786,22 +785,13 @@ def _read_tiny_cache(
 
 def _write_npz_atomic(path: Path, **arrays: np.ndarray) -> None:
     """Write an uncompressed ``.npz`` via a temp file + ``os.replace``; warn on failure."""
-    tmp_name: str | None = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, **arrays)
-        os.replace(tmp_name, path)
-        tmp_name = None
+        with atomic_open(path) as handle:
+            np.savez(handle, **arrays)
     except OSError as err:
         # A read-only or full cache location must not stop training; the next run
         # simply decodes again.
         logger.warning("could not write cache %s (%s)", path, _short(err))
-    finally:
-        if tmp_name is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp_name)
 
 
 # --------------------------------------------------------------------------------------

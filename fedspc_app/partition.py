@@ -22,7 +22,6 @@ import math
 import numbers
 import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -30,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from fedspc_app.errors import ConfigError, DataError
+from fedspc_app.files import atomic_write
 
 __all__ = [
     "Partition",
@@ -459,25 +459,6 @@ def dirichlet_partition(
 # --------------------------------------------------------------------------- #
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temp file in the same folder and ``os.replace`` it in place,
-    so readers never see a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def save_partition(partition: Partition, directory: str | os.PathLike[str]) -> None:
     """Write ``partition.json`` and ``partition.csv`` into ``directory``.
 
@@ -492,7 +473,7 @@ def save_partition(partition: Partition, directory: str | os.PathLike[str]) -> N
     """
     directory = Path(directory)
     text = json.dumps(partition.to_dict(), indent=1) + "\n"
-    _atomic_write_bytes(directory / PARTITION_JSON, text.encode("utf-8"))
+    atomic_write(directory / PARTITION_JSON, text.encode("utf-8"))
 
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
@@ -501,7 +482,7 @@ def save_partition(partition: Partition, directory: str | os.PathLike[str]) -> N
     for k in range(partition.num_clients):
         writer.writerow([k, "train", *train_counts[k].tolist()])
         writer.writerow([k, "test", *test_counts[k].tolist()])
-    _atomic_write_bytes(directory / PARTITION_CSV, buffer.getvalue().encode("utf-8"))
+    atomic_write(directory / PARTITION_CSV, buffer.getvalue().encode("utf-8"))
 
 
 def load_partition_counts(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -597,7 +578,7 @@ def _save_figure(fig: Any, path: Path) -> Path:
     FigureCanvasAgg(fig)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=150, bbox_inches="tight")
-    _atomic_write_bytes(path, buffer.getvalue())
+    atomic_write(path, buffer.getvalue())
     return path
 
 

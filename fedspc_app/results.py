@@ -19,36 +19,21 @@ import csv
 import io
 import json
 import math
-import os
-import tempfile
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from flwr.app import Message, MetricRecord
 from flwr.serverapp import Grid
 
 from fedspc_app.config import RunConfig
+from fedspc_app.files import atomic_write
 
 SCALAR_COLUMNS = (
     "round", "accuracy", "weighted-accuracy", "loss", "train-loss", "clients",
     "train-clients", "bytes-sent", "bytes-received", "train-images", "images-per-second",
     "round-seconds", "elapsed-seconds",
 )
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _json_default(value: Any) -> Any:
@@ -157,7 +142,7 @@ class RunRecorder:
         for stale in ("metrics.json", "metrics.csv", "summary.json"):
             (self.run_dir / stale).unlink(missing_ok=True)
         payload = {"run-config": self.config.to_dict(), **(extra or {})}
-        write_atomic(self.run_dir / "config.json",
+        atomic_write(self.run_dir / "config.json",
                      json.dumps(payload, indent=2, default=_json_default))
         self.started = self.last = time.perf_counter()
         self.echo(f"Results: {self.run_dir}")
@@ -166,7 +151,7 @@ class RunRecorder:
         payload = {"run-name": self.config.resolved_run_name, "rounds": self.rounds}
         if summary is not None:
             payload["summary"] = summary
-        write_atomic(self.run_dir / "metrics.json",
+        atomic_write(self.run_dir / "metrics.json",
                      json.dumps(_clean_tree(payload), indent=2, default=_json_default))
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=SCALAR_COLUMNS, extrasaction="ignore")
@@ -174,7 +159,7 @@ class RunRecorder:
         for row in self.rounds:
             writer.writerow({k: ("" if row.get(k) is None else row.get(k))
                              for k in SCALAR_COLUMNS})
-        write_atomic(self.run_dir / "metrics.csv", buffer.getvalue())
+        atomic_write(self.run_dir / "metrics.csv", buffer.getvalue())
 
     # ---------------------------------------------------------------- rounds
     def on_round_end(self, server_round: int, train: MetricRecord | None,
@@ -246,7 +231,7 @@ class RunRecorder:
                 "bytes-received": sum(r["bytes-received"] for r in self.rounds),
             })
         self._write_metrics(summary)
-        write_atomic(self.run_dir / "summary.json", json.dumps(_clean_tree(summary), indent=2))
+        atomic_write(self.run_dir / "summary.json", json.dumps(_clean_tree(summary), indent=2))
         if evaluated:
             self.echo(
                 f"[{self.config.label}] done in {format_duration(summary['wall-seconds'])}: "

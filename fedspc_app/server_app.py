@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from logging import ERROR, INFO
 
-from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 

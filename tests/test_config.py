@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from fedspc_app.config import RunConfig, parse_run_config, validate
 from fedspc_app.errors import ConfigError

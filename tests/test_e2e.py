@@ -73,3 +73,26 @@ def test_bad_input_stops_before_training_and_leaves_nothing(superlink, tmp_path)
     text = log.read_text()
     assert "Run not started" in text and "cifar-100-python" in text
     assert not (tmp_path / "out").exists()
+
+
+OTHER_CASES = [(m, spc) for m in ("fedavg", "fedprox", "scaffold", "fedper", "fedrep",
+                                  "fedbabu", "lgfedavg", "ditto")
+               for spc in (False, True)
+               if not (m == "scaffold" and spc) and (m, spc) not in {("fedavg", False),
+                                                                     ("fedrep", True)}]
+
+
+@pytest.mark.parametrize(("method", "fedspc"), OTHER_CASES)
+def test_every_method_runs_in_the_simulation_engine(superlink, tmp_path, method, fedspc):
+    """Two rounds of each remaining method, with and without FedSPC, through flwr run."""
+    name = f"{method}-{fedspc}"
+    summary = run_simulation(
+        {"num-rounds": 2, "local-epochs": 1, "ditto-personal-epochs": 1, "method": method,
+         "fedspc": fedspc, "alpha": 0.5, "output-dir": str(tmp_path), "run-name": name},
+        superlink=superlink, clients=2, client_cpus=1, log_file=tmp_path / "run.log",
+        timeout=600)
+    assert summary["complete"]
+    rounds = json.loads((tmp_path / name / "metrics.json").read_text())["rounds"]
+    assert [r["min-rounds-trained"] for r in rounds] == [1, 2]
+    assert all(0.0 <= r["accuracy"] <= 1.0 and r["clients"] == 2 for r in rounds)
+    assert ("global-reference-norm" in rounds[-1]) == (fedspc or method == "scaffold")

@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import Context, MessageType, RecordDict
+from inprocess import InProcessGrid
 
 from fedspc_app import client_app, server_app
 from fedspc_app.config import parse_run_config
 from fedspc_app.data import load_dataset
 from fedspc_app.methods import METHODS, get_method
 from fedspc_app.task import from_record, make_model, parameter_split
-from inprocess import InProcessGrid
 
 NUM_CLIENTS = 3
 OUTPUT = Path(tempfile.mkdtemp(prefix="fedspc-inprocess-"))
