@@ -206,6 +206,8 @@ class RunRecorder:
         loss_text = "n/a" if loss is None else f"{loss:.4f}"
         return (f"[{self.config.label}] round {done:>{len(str(total))}}/{total}"
                 f" | accuracy {acc_text} | loss {loss_text}"
+                f" | sent {row['bytes-sent'] / 1e6:.1f} MB, received "
+                f"{row['bytes-received'] / 1e6:.1f} MB"
                 f" | {row['round-seconds']:.1f} s | ETA {eta}")
 
     def finish(self) -> dict[str, Any]:
