@@ -1,0 +1,237 @@
+"""The pooled-data reference: one model trained on the union of all clients' data.
+
+The paper (Section 5) reports a centralized model trained on the union of all
+client data for 200 epochs with learning rate 0.1. Every training image belongs to
+exactly one client under the Dirichlet partition, so that union is the whole
+training set. The dataset, model, augmentation, batch size and device are built
+exactly as for the federated runs (:mod:`fedspc_app.task`), training is
+:func:`fedspc_app.training.train_epochs` with SGD, and top-1 accuracy is measured
+on the official test set::
+
+    python -m fedspc_app.centralized --run-config conf/cifar100-resnet34.toml \\
+        --set "data-dir='/data'" --epochs 200 --learning-rate 0.1
+
+The results folder ``<output-dir>/<run-name>/`` (default run-name
+``centralized-<dataset>-<model>-s<seed>``) holds ``config.json``, ``metrics.json``
+and ``metrics.csv`` (one row per evaluated epoch) and ``summary.json`` (final and
+best accuracy, ``"complete": true``), written atomically after every evaluation.
+
+The run-config's ``learning-rate`` (the federated η) is replaced by
+``--learning-rate``; ``momentum`` and ``weight-decay`` come from the run-config.
+The SGD optimizer is rebuilt every epoch (so that the rate can follow
+``--lr-schedule``), which restarts the momentum buffer each epoch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import sys
+import time
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedspc_app.config import RunConfig, parse_run_config
+from fedspc_app.errors import ConfigError, FedSPCError
+from fedspc_app.files import atomic_write
+from fedspc_app.results import format_duration
+
+CSV_COLUMNS = ("epoch", "accuracy", "loss", "train-loss", "learning-rate", "train-images",
+               "epoch-seconds", "elapsed-seconds")
+SCHEDULES = ("constant", "cosine")
+
+
+def epoch_learning_rate(base: float, epoch: int, epochs: int, schedule: str) -> float:
+    """The rate of 1-based ``epoch``: constant, or cosine-annealed from ``base`` to 0."""
+    if schedule == "constant":
+        return base
+    if schedule == "cosine":
+        return 0.5 * base * (1.0 + math.cos(math.pi * (epoch - 1) / epochs))
+    raise ConfigError(f"lr-schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+
+
+def default_run_name(config: RunConfig) -> str:
+    return f"centralized-{config.dataset}-{config.model}-s{config.seed}"
+
+
+def _write_metrics(run_dir: Path, name: str, rows: list[dict[str, Any]],
+                   summary: Mapping[str, Any] | None = None) -> None:
+    payload: dict[str, Any] = {"run-name": name, "mode": "centralized", "epochs": rows}
+    if summary is not None:
+        payload["summary"] = dict(summary)
+    atomic_write(run_dir / "metrics.json", json.dumps(payload, indent=2))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS, extrasaction="ignore",
+                            lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(run_dir / "metrics.csv", buffer.getvalue())
+
+
+def train_centralized(config: RunConfig, *, epochs: int = 200, learning_rate: float = 0.1,
+                      eval_every: int = 1, lr_schedule: str = "constant",
+                      echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Train the run's model on the whole training set; evaluate on the test set.
+
+    Parameters
+    ----------
+    config : RunConfig
+        Dataset, model, batch size, augmentation, device, seed, momentum, weight
+        decay and the results folder (``config.run_dir``).
+    epochs : int
+        Passes over the training set (paper: 200).
+    learning_rate : float
+        SGD learning rate (paper: 0.1).
+    eval_every : int
+        Evaluate every this many epochs (and after the last one).
+    lr_schedule : {"constant", "cosine"}
+        Per-epoch learning-rate schedule.
+    echo : callable
+        Where progress lines go.
+
+    Returns
+    -------
+    dict
+        The summary written to ``summary.json``.
+    """
+    if epochs < 1 or eval_every < 1 or not learning_rate > 0:
+        raise ConfigError(f"epochs and eval-every must be >= 1 and the learning rate > 0, "
+                          f"got {epochs}, {eval_every}, {learning_rate}")
+    epoch_learning_rate(learning_rate, 1, epochs, lr_schedule)  # checks the name
+    # torch is imported only now, so that bad options fail fast.
+    from fedspc_app.data import iterate_batches
+    from fedspc_app.task import (load_run_dataset, make_model, resolve_device,
+                                 seeded_generator, use_augmentation)
+    from fedspc_app.training import evaluate_model, train_epochs
+    config = config.replace(learning_rate=learning_rate)
+    dataset = load_run_dataset(config)
+    device = resolve_device(config)
+    model = make_model(config, dataset).to(device)
+    augment = use_augmentation(config, dataset)
+    train_indices = np.arange(dataset.num_train)
+    test_indices = np.arange(dataset.num_test)
+    generator = seeded_generator("centralized", config.seed)
+    trainable = [name for name, _ in model.named_parameters()]
+    name = config.resolved_run_name
+    run_dir = config.run_dir
+
+    def train_batches():
+        return iterate_batches(dataset, "train", train_indices, batch_size=config.batch_size,
+                               shuffle=True, augment=augment, generator=generator,
+                               device=device)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("metrics.json", "metrics.csv", "summary.json"):
+        (run_dir / stale).unlink(missing_ok=True)
+    atomic_write(run_dir / "config.json", json.dumps({
+        "run-config": config.to_dict(), "mode": "centralized",
+        "centralized": {"epochs": epochs, "learning-rate": learning_rate,
+                        "eval-every": eval_every, "lr-schedule": lr_schedule},
+        "dataset": {"name": dataset.name, "train": dataset.num_train,
+                    "test": dataset.num_test, "classes": dataset.num_classes},
+        "device": str(device),
+    }, indent=2))
+    echo(f"[centralized] {config.model} on {dataset.name}: {dataset.num_train} training "
+         f"images, {epochs} epochs, lr {learning_rate:g} ({lr_schedule}), "
+         f"{device}; results in {run_dir}")
+
+    rows: list[dict[str, Any]] = []
+    started = last = time.perf_counter()
+    for epoch in range(1, epochs + 1):
+        rate = epoch_learning_rate(learning_rate, epoch, epochs, lr_schedule)
+        result = train_epochs(model, train_batches, epochs=1, trainable=trainable,
+                              learning_rate=rate, momentum=config.momentum,
+                              weight_decay=config.weight_decay)
+        if epoch % eval_every and epoch != epochs:
+            continue
+        test_batches = iterate_batches(dataset, "test", test_indices,
+                                       batch_size=max(config.batch_size, 256), shuffle=False,
+                                       augment=False, generator=None, device=device)
+        correct, examples, loss_sum = evaluate_model(model, test_batches)
+        now = time.perf_counter()
+        row = {"epoch": epoch, "accuracy": correct / examples, "loss": loss_sum / examples,
+               "train-loss": result.mean_loss, "learning-rate": rate,
+               "train-images": result.examples, "epoch-seconds": round(now - last, 3),
+               "elapsed-seconds": round(now - started, 3)}
+        last = now
+        rows.append(row)
+        _write_metrics(run_dir, name, rows)
+        eta = format_duration((now - started) / epoch * (epochs - epoch))
+        echo(f"[centralized] epoch {epoch:>{len(str(epochs))}}/{epochs} | accuracy "
+             f"{100 * row['accuracy']:6.2f}% | loss {row['loss']:.4f} | train-loss "
+             f"{row['train-loss']:.4f} | {row['epoch-seconds']:.1f} s | ETA {eta}")
+        if not math.isfinite(row["train-loss"]):
+            raise FedSPCError(f"training diverged at epoch {epoch} (train loss "
+                              f"{row['train-loss']}); use a smaller learning rate")
+
+    final = rows[-1]
+    best = max(rows, key=lambda r: r["accuracy"])
+    summary = {
+        "complete": True, "mode": "centralized", "method": "centralized",
+        "epochs": epochs, "rounds": len(rows),
+        "wall-seconds": round(time.perf_counter() - started, 3),
+        "final-epoch": final["epoch"], "final-accuracy": final["accuracy"],
+        "final-loss": final["loss"], "best-epoch": best["epoch"],
+        "best-accuracy": best["accuracy"],
+    }
+    _write_metrics(run_dir, name, rows, summary)
+    atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2))
+    echo(f"[centralized] done in {format_duration(summary['wall-seconds'])}: final accuracy "
+         f"{100 * final['accuracy']:.2f}% (epoch {final['epoch']}), best "
+         f"{100 * best['accuracy']:.2f}% (epoch {best['epoch']}); results in {run_dir}")
+    return summary
+
+
+def build_config(run_config: Mapping[str, Any], *, run_name: str | None = None,
+                 output_dir: str | None = None) -> RunConfig:
+    """The app defaults, then ``run_config``, validated; default run-name filled in."""
+    from fedspc_app.simulate import app_defaults
+
+    merged = {**app_defaults(), **run_config}
+    if output_dir:
+        merged["output-dir"] = output_dir
+    if run_name:
+        merged["run-name"] = run_name
+    config = parse_run_config(merged)
+    if not config.run_name:
+        config = config.replace(run_name=default_run_name(config))
+    return config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from fedspc_app.simulate import parse_assignments, read_toml
+
+    parser = argparse.ArgumentParser(prog="python -m fedspc_app.centralized",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-config", help="TOML run-config (e.g. conf/*.toml)")
+    parser.add_argument("--set", default="", help='overrides, e.g. "data-dir=\'/data\'"')
+    parser.add_argument("--epochs", type=int, default=200, help="default: 200 (paper)")
+    parser.add_argument("--learning-rate", type=float, default=0.1,
+                        help="default: 0.1 (paper)")
+    parser.add_argument("--eval-every", type=int, default=1,
+                        help="evaluate every N epochs (and after the last)")
+    parser.add_argument("--lr-schedule", choices=SCHEDULES, default="constant")
+    parser.add_argument("--output-dir", help="parent of the results folder")
+    parser.add_argument("--run-name", help="results folder name")
+    args = parser.parse_args(argv)
+    try:
+        run_config = read_toml(args.run_config) if args.run_config else {}
+        run_config.update(parse_assignments(args.set))
+        config = build_config(run_config, run_name=args.run_name, output_dir=args.output_dir)
+        train_centralized(config, epochs=args.epochs, learning_rate=args.learning_rate,
+                          eval_every=args.eval_every, lr_schedule=args.lr_schedule)
+    except (FedSPCError, OSError, tomllib.TOMLDecodeError) as error:
+        print(f"fedspc: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

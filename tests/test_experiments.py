@@ -1,0 +1,350 @@
+"""Experiment grids (fedspc_app.experiments): expansion, filtering, resuming, failures.
+
+Only the last test starts a SuperLink and Ray (marker ``e2e``); the others replace
+the function that runs one cell, so nothing trains.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedspc_app import experiments
+from fedspc_app.errors import ConfigError
+from fedspc_app.experiments import (
+    Cell,
+    expand_grid,
+    filter_cells,
+    load_grid,
+    parse_only,
+    run_grid,
+)
+from fedspc_app.simulate import SimulationFailed
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def grid_of(spec: dict, tmp_path: Path, **kwargs):
+    return expand_grid(spec, name="g", base_dir=tmp_path, output_dir=tmp_path / "out",
+                       **kwargs)
+
+
+def write_yaml(path: Path, spec: dict) -> Path:
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def finish(cell: Cell, accuracy: float = 0.5) -> None:
+    """Write what a finished run leaves behind."""
+    cell.run_dir.mkdir(parents=True, exist_ok=True)
+    (cell.run_dir / "config.json").write_text(json.dumps({"run-config": cell.run_config}))
+    (cell.run_dir / "summary.json").write_text(json.dumps(
+        {"complete": True, "rounds": 2, "final-accuracy": accuracy,
+         "best-accuracy": accuracy, "best-round": 2, "wall-seconds": 1.0}))
+
+
+# ---------------------------------------------------------------------- expansion
+def test_cartesian_product_with_deterministic_unique_names(tmp_path):
+    spec = {"base": {"num-rounds": 3},
+            "axes": {"method": ["fedper", "fedrep"], "fedspc": [False, True],
+                     "alpha": [0.1, 1.0], "seed": [0, 1]}}
+    grid = grid_of(spec, tmp_path)
+    names = [cell.name for cell in grid.cells]
+    assert len(names) == 16 == len(set(names))
+    assert names[:4] == ["fedper-a0.1-s0", "fedper-a0.1-s1", "fedper-a1-s0", "fedper-a1-s1"]
+    assert "fedrep+fedspc-a0.1-s1" in names
+    assert names == [cell.name for cell in grid_of(spec, tmp_path).cells]
+    cell = next(c for c in grid.cells if c.name == "fedrep+fedspc-a1-s1")
+    rc = cell.run_config
+    assert (rc["method"], rc["fedspc"], rc["alpha"], rc["seed"]) == ("fedrep", True, 1.0, 1)
+    assert rc["num-rounds"] == 3 and rc["local-epochs"] == 5  # base, then pyproject default
+    assert rc["output-dir"] == str((tmp_path / "out" / "g").resolve())
+    assert rc["run-name"] == cell.name
+    assert cell.run_dir == tmp_path.resolve() / "out" / "g" / cell.name
+    assert cell.assignment == {"method": "fedrep", "fedspc": True, "alpha": 1.0, "seed": 1}
+    assert cell.setting == "digits-cnn"  # no setting axis: <dataset>-<model>
+    assert grid.axes == {"method": ["fedper", "fedrep"], "fedspc": [False, True],
+                         "alpha": [0.1, 1.0], "seed": [0, 1]}
+
+
+def test_bundles_presets_and_precedence(tmp_path):
+    (tmp_path / "base.toml").write_text('num-rounds = 7\nbatch-size = 16\nmomentum = 0.5\n')
+    (tmp_path / "big.toml").write_text('model = "vgg11"\nnum-rounds = 50\n')
+    spec = {"base": {"preset": "base.toml", "batch-size": 32},
+            "axes": {"setting": {"small": {"model": "cnn", "learning-rate": 0.01},
+                                 "big": {"preset": "big.toml", "num-rounds": 40}},
+                     "method": ["fedper"]}}
+    grid = grid_of(spec, tmp_path, overrides={"momentum": 0.9})
+    small, big = grid.cells
+    assert (small.name, big.name) == ("fedper-small", "fedper-big")
+    assert (small.setting, big.setting) == ("small", "big")
+    # defaults < base.preset < base < bundle preset < bundle keys < --set
+    assert small.run_config["num-rounds"] == 7 and small.run_config["batch-size"] == 32
+    assert small.run_config["learning-rate"] == 0.01 and small.run_config["model"] == "cnn"
+    assert big.run_config["model"] == "vgg11" and big.run_config["num-rounds"] == 40
+    assert big.run_config["learning-rate"] == 0.02
+    assert small.run_config["momentum"] == big.run_config["momentum"] == 0.9
+    assert grid.axes["setting"] == ["small", "big"]
+
+
+def test_preset_relative_to_the_repo_root(tmp_path):
+    grid = grid_of({"base": {"preset": "conf/cpu-cifar100-cnn.toml", "num-rounds": 2},
+                    "axes": {"alpha": [0.1]}}, tmp_path)
+    rc = grid.cells[0].run_config
+    assert (rc["dataset"], rc["model"], rc["num-rounds"]) == ("cifar100", "cnn", 2)
+    with pytest.raises(ConfigError, match="preset 'nowhere.toml' not found"):
+        grid_of({"base": {"preset": "nowhere.toml"}, "axes": {"alpha": [0.1]}}, tmp_path)
+
+
+def test_exclude_drops_matching_cells_and_checks_its_entries(tmp_path):
+    spec = {"axes": {"method": ["scaffold", "fedrep"], "fedspc": [False, True]},
+            "exclude": [{"method": "scaffold", "fedspc": True}]}
+    names = [c.name for c in grid_of(spec, tmp_path).cells]
+    assert names == ["scaffold", "fedrep", "fedrep+fedspc"]
+    with pytest.raises(ConfigError, match="'model' is not an axis"):
+        grid_of({**spec, "exclude": [{"model": "cnn"}]}, tmp_path)
+    with pytest.raises(ConfigError, match="'fedavg' is not a value of axis 'method'"):
+        grid_of({**spec, "exclude": [{"method": "fedavg"}]}, tmp_path)
+
+
+def test_a_bad_cell_fails_before_anything_runs_naming_the_cell(tmp_path, monkeypatch):
+    spec = {"axes": {"setting": {"ok": {"model": "cnn"}, "typo": {"learning-rte": 0.1}},
+                     "method": ["fedper"]}}
+    with pytest.raises(ConfigError, match=r"cell fedper-typo: unknown run-config key "
+                                          r"'learning-rte' \(did you mean: learning-rate"):
+        grid_of(spec, tmp_path)
+    # SCAFFOLD with FedSPC is invalid unless excluded; the message names the cell.
+    with pytest.raises(ConfigError, match="cell scaffold\\+fedspc: method 'scaffold'"):
+        grid_of({"axes": {"method": ["scaffold"], "fedspc": [False, True]}}, tmp_path)
+    # Through the command line: exit code 2, no cell run, no folder made.
+    calls = []
+    monkeypatch.setattr(experiments, "run_federated_cell", lambda *a, **k: calls.append(a))
+    path = write_yaml(tmp_path / "bad.yaml", spec)
+    assert experiments.main(["run", str(path), "--output-dir", str(tmp_path / "o")]) == 2
+    assert calls == [] and not (tmp_path / "o").exists()
+
+
+def test_malformed_grids_are_config_errors(tmp_path):
+    for spec, message in [
+        ({"axes": {"alpha": []}}, "axis 'alpha'"),
+        ({"axes": {"alpha": [0.1, 0.1]}}, "lists 0.1 twice"),
+        ({"axes": {"alpha": [0.1]}, "bogus": 1}, "unknown grid key"),
+        ({"base": {"run-name": "x"}}, "'run-name' is set per cell"),
+        ({"axes": {"alpha": [0.1]}, "simulation": {"gpus": 1}}, "unknown simulation"),
+        ({"axes": {"alpha": [{"a": 1}]}}, "is not a single value"),
+        ({"axes": {"method": ["fedavg"]}, "exclude": [{"method": "fedavg"}]}, "no cells"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            grid_of(spec, tmp_path)
+
+
+def test_set_overrides_every_cell_but_not_an_axis(tmp_path):
+    spec = {"axes": {"method": ["fedper", "fedrep"]}}
+    grid = grid_of(spec, tmp_path, overrides={"data-dir": "data", "num-rounds": 4})
+    assert all(c.run_config["num-rounds"] == 4 for c in grid.cells)
+    assert grid.cells[0].run_config["data-dir"] == str(Path("data").resolve())
+    with pytest.raises(ConfigError, match="--set method: an axis"):
+        grid_of(spec, tmp_path, overrides={"method": "ditto"})
+
+
+def test_centralized_section_gives_one_reference_per_setting(tmp_path):
+    spec = {"axes": {"setting": {"A": {"model": "cnn"}, "B": {"model": "vgg11"}},
+                     "method": ["fedper", "fedrep"], "fedspc": [False, True],
+                     "alpha": [0.1, 1.0]},
+            "centralized": {"epochs": 3, "learning-rate": 0.05, "momentum": 0.9}}
+    grid = grid_of(spec, tmp_path)
+    central = [c for c in grid.cells if c.kind == "centralized"]
+    assert [c.name for c in central] == ["centralized-A", "centralized-B"]
+    assert [c.setting for c in central] == ["A", "B"]
+    assert central[1].run_config["model"] == "vgg11"
+    assert central[0].run_config["learning-rate"] == 0.05
+    assert central[0].run_config["momentum"] == 0.9
+    assert central[0].centralized == {"epochs": 3, "learning-rate": 0.05, "eval-every": 1,
+                                      "lr-schedule": "constant"}
+    assert len(grid.cells) == 2 * 2 * 2 * 2 + 2
+
+
+def test_only_filters_cells_and_rejects_typos(tmp_path):
+    grid = grid_of({"axes": {"method": ["fedper", "fedrep", "ditto"], "fedspc": [False, True],
+                             "alpha": [0.1, 1.0]},
+                    "centralized": {"epochs": 1}}, tmp_path)
+    only = parse_only(["method=fedrep,fedper", "alpha=0.1"])
+    assert only == {"method": ["fedrep", "fedper"], "alpha": [0.1]}
+    names = [c.name for c in filter_cells(grid, only)]
+    assert names == ["fedper-a0.1", "fedper+fedspc-a0.1", "fedrep-a0.1", "fedrep+fedspc-a0.1"]
+    assert [c.name for c in filter_cells(grid, parse_only(["fedspc=true", "alpha=1"]))] == [
+        "fedper+fedspc-a1", "fedrep+fedspc-a1", "ditto+fedspc-a1"]
+    assert [c.name for c in filter_cells(grid, parse_only(["mode=centralized"]))] == [
+        "centralized-digits-cnn"]
+    with pytest.raises(ConfigError, match="--only modle: not an axis"):
+        filter_cells(grid, parse_only(["modle=cnn"]))
+    with pytest.raises(ConfigError, match="--only method=fedprox: not a value"):
+        filter_cells(grid, parse_only(["method=fedprox"]))
+    with pytest.raises(ConfigError, match="--only expects"):
+        parse_only(["method"])
+
+
+def test_shipped_grids_expand_to_the_papers_tables():
+    table1 = load_grid(REPO / "conf/experiments/table1.yaml", output_dir="/tmp/unused")
+    assert len(table1.cells) == 8 * 3 * 4
+    assert not any(c.run_config["fedspc"] for c in table1.cells)
+    table3 = load_grid(REPO / "conf/experiments/table3.yaml", output_dir="/tmp/unused")
+    federated = [c for c in table3.cells if c.kind == "federated"]
+    assert len(federated) == 5 * 2 * 3 * 4
+    assert [c.setting for c in table3.cells if c.kind == "centralized"] == [
+        "C-ViT", "C-R34", "C-VGG11", "T-R34"]
+    vit = [c.run_config for c in federated if c.setting == "C-ViT"]
+    assert {rc["learning-rate"] for rc in vit} == {0.005} and vit[0]["model"] == "vit"
+    assert all((rc["num-rounds"], rc["local-epochs"], rc["batch-size"]) == (100, 5, 64)
+               for rc in (c.run_config for c in federated))
+    assert table3.simulation.clients == 10
+    cpu = load_grid(REPO / "conf/experiments/cpu-cifar100-cnn.yaml", output_dir="/tmp/unused")
+    rc = cpu.cells[0].run_config
+    assert (rc["dataset"], rc["model"], rc["num-rounds"], rc["local-epochs"]) == (
+        "cifar100", "cnn", 20, 1)
+    assert len([c for c in cpu.cells if c.kind == "federated"]) == 5 * 2 * 3
+
+
+# ------------------------------------------------------------------------ running
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeRunner:
+    """Stands in for the simulation: records calls and finishes (or fails) cells."""
+
+    def __init__(self, fail: set[str] = frozenset(), clock: Clock | None = None) -> None:
+        self.calls: list[str] = []
+        self.fail = set(fail)
+        self.clock = clock
+
+    def __call__(self, cell: Cell, log_file: Path) -> dict:
+        self.calls.append(cell.name)
+        if self.clock:
+            self.clock.now += 60.0  # every cell takes a minute
+        assert log_file.parent.is_dir()
+        if cell.name in self.fail:
+            raise SimulationFailed(f"run {cell.name!r} did not complete")
+        finish(cell, 0.25)
+        return {"complete": True, "final-accuracy": 0.25}
+
+
+def small_grid(tmp_path: Path):
+    return grid_of({"axes": {"method": ["fedper"], "fedspc": [False, True],
+                             "alpha": [0.1, 1.0]}}, tmp_path)
+
+
+def test_runner_skips_finished_cells_and_reports_progress(tmp_path):
+    grid = small_grid(tmp_path)
+    finish(grid.cells[1])
+    clock = Clock()
+    runner, lines = FakeRunner(clock=clock), []
+    outcome = run_grid(grid, grid.cells, runner=runner, echo=lines.append, clock=clock)
+    assert runner.calls == [grid.cells[0].name, grid.cells[2].name, grid.cells[3].name]
+    assert outcome.ok and outcome.skipped == [grid.cells[1].name]
+    assert lines[0].startswith("Grid g: 4 cells in") and "1 done, 3 to run" in lines[0]
+    # ETA = mean time of the cells run so far x cells left to run.
+    assert lines[1:3] == [
+        "[2/4] fedper-a0.1: digits/cnn fedper alpha=0.1 seed=0 | 10 rounds, E=5, lr 0.02,"
+        " batch 64",
+        "[2/4] fedper-a0.1 done in 0:01:00, final accuracy 25.00% | elapsed 0:01:00"
+        " | ETA 0:02:00"]
+    assert lines[-2] == ("[4/4] fedper+fedspc-a1 done in 0:01:00, final accuracy 25.00%"
+                         " | elapsed 0:03:00 | ETA 0:00:00")
+    assert lines[-1] == "Grid g: all 4 selected cells done."
+    written = json.loads((grid.directory / "grid.json").read_text())
+    assert [c["name"] for c in written["cells"]] == [c.name for c in grid.cells]
+    assert written["cells"][0]["run-config"]["method"] == "fedper"
+    assert (grid.directory / "logs" / "fedper-a0.1.log").read_text().startswith("\n=== fedper")
+    # Everything finished: a rerun runs nothing.
+    again = FakeRunner()
+    assert run_grid(grid, grid.cells, runner=again, echo=lambda _: None).ok
+    assert again.calls == []
+
+
+def test_a_failing_cell_is_recorded_and_the_others_still_run(tmp_path):
+    grid = small_grid(tmp_path)
+    bad = grid.cells[1].name
+    runner, lines = FakeRunner(fail={bad}), []
+    outcome = run_grid(grid, grid.cells, runner=runner, echo=lines.append)
+    assert runner.calls == [c.name for c in grid.cells]
+    assert not outcome.ok and list(outcome.failed) == [bad]
+    log = str(grid.directory / "logs" / f"{bad}.log")
+    assert outcome.failed[bad] == log
+    assert f"  {bad}: run '{bad}' did not complete (log: {log})" in lines
+    failures = json.loads((grid.directory / "failures.json").read_text())
+    assert failures[bad]["log"] == log
+    # A rerun leaves it alone (and still reports it) unless asked to retry.
+    runner = FakeRunner()
+    outcome = run_grid(grid, grid.cells, runner=runner, echo=lambda _: None)
+    assert runner.calls == [] and list(outcome.failed) == [bad]
+    outcome = run_grid(grid, grid.cells, runner=runner, retry_failed=True, echo=lambda _: None)
+    assert runner.calls == [bad] and outcome.ok
+    assert json.loads((grid.directory / "failures.json").read_text()) == {}
+
+
+def test_cli_runs_only_selected_pending_cells_then_reports(tmp_path, monkeypatch, capsys):
+    path = write_yaml(tmp_path / "tiny.yaml", {
+        "base": {"num-rounds": 2}, "axes": {"method": ["fedper", "fedrep"],
+                                            "alpha": [0.1, 1.0]},
+        "simulation": {"clients": 3}})
+    calls = []
+
+    def fake(cell, log_file, *, link, simulation, echo=False):
+        calls.append((cell.name, simulation.clients, simulation.client_cpus))
+        if cell.name == "fedrep-a0.1":
+            raise TimeoutError("flwr run exceeded 1 s")
+        finish(cell)
+        return {"complete": True}
+
+    monkeypatch.setattr(experiments, "run_federated_cell", fake)
+    out = tmp_path / "results"
+    args = ["run", str(path), "--output-dir", str(out), "--only", "alpha=0.1"]
+    assert experiments.main([*args, "--dry-run"]) == 0
+    plan = capsys.readouterr().out
+    assert "2 of 4 cells selected" in plan and "pending fedper-a0.1" in plan
+    assert not out.exists()  # a dry run writes nothing
+    assert experiments.main([*args, "--client-cpus", "2"]) == 1
+    assert calls == [("fedper-a0.1", 3, 2.0), ("fedrep-a0.1", 3, 2.0)]
+    text = capsys.readouterr().out
+    assert "1 cell(s) failed:" in text and "fedrep-a0.1.log" in text
+    assert (out / "tiny" / "report" / "runs.md").is_file()
+    assert experiments.main(["list", str(path), "--output-dir", str(out)]) == 0
+    plan = capsys.readouterr().out
+    assert "done    fedper-a0.1" in plan and "failed  fedrep-a0.1" in plan
+    assert "pending fedper-a1" in plan
+
+
+# ---------------------------------------------------------------------- end to end
+@pytest.mark.e2e
+def test_tiny_grid_end_to_end_with_report(tmp_path, capsys):
+    """Two real cells on digits through the runner, one SuperLink, Ray; then the report."""
+    path = write_yaml(tmp_path / "tiny.yaml", {
+        "name": "tiny",
+        "base": {"method": "fedper", "num-rounds": 2, "local-epochs": 1, "alpha": 0.5},
+        "axes": {"fedspc": [False, True]},
+        "simulation": {"clients": 2, "client-cpus": 1, "timeout": 600}})
+    out = tmp_path / "results"
+    assert experiments.main(["run", str(path), "--output-dir", str(out)]) == 0
+    grid_dir = out / "tiny"
+    for name in ("fedper", "fedper+fedspc"):
+        summary = json.loads((grid_dir / name / "summary.json").read_text())
+        assert summary["complete"] and summary["rounds"] == 2
+        assert "round 2/2" in (grid_dir / "logs" / f"{name}.log").read_text()
+    text = capsys.readouterr().out
+    assert "[2/2] fedper+fedspc done in" in text
+    table3 = (grid_dir / "report" / "table3.md").read_text().splitlines()
+    assert table3[0] == "| Method | α | digits-cnn Base | digits-cnn +FedSPC | digits-cnn Δ |"
+    assert table3[2].startswith("| FedPer | 0.5 | ") and "—" not in table3[2]
+    assert (grid_dir / "report" / "partitions-digits.png").read_bytes()[:8] == \
+        b"\x89PNG\r\n\x1a\n"
+    # Rerunning skips both finished cells.
+    assert experiments.main(["run", str(path), "--output-dir", str(out), "--no-report"]) == 0
+    assert "2 done, 0 to run" in capsys.readouterr().out

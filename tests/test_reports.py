@@ -1,0 +1,197 @@
+"""Report tables and figures (fedspc_app.reports) from small synthetic result folders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedspc_app import experiments, reports
+from fedspc_app.partition import dirichlet_partition, save_partition
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(grid_dir: Path, name: str, *, setting: str, method: str = "fedrep",
+              fedspc: bool = False, alpha: float = 0.1, seed: int = 0,
+              final: float | None = None, best: float | None = None,
+              curve: tuple[float, ...] = (), state: str = "complete",
+              kind: str = "federated") -> dict:
+    """A results folder as a run leaves it; returns the cell's grid.json entry.
+
+    ``state`` is ``complete`` (summary written), ``partial`` (config and metrics
+    only) or ``missing`` (no folder).
+    """
+    rc = {"dataset": "cifar100", "model": "cnn", "method": method, "fedspc": fedspc,
+          "alpha": alpha, "seed": seed, "num-rounds": len(curve)}
+    cell = {"name": name, "kind": kind, "setting": setting, "run-config": rc}
+    if state == "missing":
+        return cell
+    run_dir = grid_dir / name
+    run_dir.mkdir(parents=True)
+    config = {"run-config": rc, **({"mode": "centralized"} if kind == "centralized" else {})}
+    (run_dir / "config.json").write_text(json.dumps(config))
+    step = "epoch" if kind == "centralized" else "round"
+    rows = [{step: i + 1, "accuracy": acc, "elapsed-seconds": 10.0 * (i + 1)}
+            for i, acc in enumerate(curve)]
+    (run_dir / "metrics.json").write_text(json.dumps(
+        {"epochs" if kind == "centralized" else "rounds": rows}))
+    if state == "complete":
+        best_at = int(np.argmax(curve)) + 1 if curve else 1
+        (run_dir / "summary.json").write_text(json.dumps({
+            "complete": True, "rounds": len(curve), "epochs": len(curve),
+            "final-accuracy": final, "best-accuracy": best if best is not None else final,
+            "best-round": best_at, "best-epoch": best_at, "wall-seconds": 3725.4}))
+    return cell
+
+
+@pytest.fixture
+def grid_dir(tmp_path):
+    """Two settings; FedRep base/+FedSPC with two seeds in S1; gaps of every kind."""
+    grid = tmp_path / "grid"
+    grid.mkdir()
+    cells = [
+        write_run(grid, "fedavg-a0.1-S1", setting="S1", method="fedavg", final=0.45,
+                  curve=(0.3, 0.45)),
+        write_run(grid, "fedrep-a0.1-s0-S1", setting="S1", final=0.50, best=0.53,
+                  curve=(0.53, 0.50)),
+        write_run(grid, "fedrep-a0.1-s1-S1", setting="S1", seed=1, final=0.52,
+                  curve=(0.4, 0.52)),
+        write_run(grid, "fedrep+fedspc-a0.1-s0-S1", setting="S1", fedspc=True, final=0.55,
+                  curve=(0.5, 0.55)),
+        write_run(grid, "fedrep+fedspc-a0.1-s1-S1", setting="S1", fedspc=True, seed=1,
+                  final=0.56, curve=(0.5, 0.56)),
+        write_run(grid, "fedrep-a1-s0-S1", setting="S1", alpha=1.0, final=0.30,
+                  curve=(0.2, 0.3)),
+        write_run(grid, "fedrep+fedspc-a1-s0-S1", setting="S1", fedspc=True, alpha=1.0,
+                  state="missing"),
+        write_run(grid, "fedrep-a0.1-s0-S2", setting="S2", final=0.40, curve=(0.1, 0.4)),
+        write_run(grid, "fedrep+fedspc-a0.1-s0-S2", setting="S2", fedspc=True,
+                  curve=(0.2,), state="partial"),
+        write_run(grid, "centralized-S1", setting="S1", method="centralized",
+                  kind="centralized", final=0.70, best=0.71, curve=(0.6, 0.71, 0.70)),
+    ]
+    (grid / experiments.GRID_JSON).write_text(json.dumps({"name": "grid", "cells": cells}))
+    (grid / experiments.FAILURES_JSON).write_text(json.dumps(
+        {"fedrep+fedspc-a1-s0-S1": {"error": "boom", "log": "x.log"}}))
+    return grid
+
+
+def test_records_follow_the_grid_with_status(grid_dir):
+    records = {r.name: r for r in reports.load_records(grid_dir)}
+    assert len(records) == 10
+    assert records["fedrep-a0.1-s1-S1"].status == "complete"
+    assert records["fedrep-a0.1-s1-S1"].final_accuracy == 0.52
+    assert records["fedrep+fedspc-a1-s0-S1"].status == "failed"
+    partial = records["fedrep+fedspc-a0.1-s0-S2"]
+    assert (partial.status, partial.rounds, partial.final_accuracy) == ("partial", 1, 0.2)
+    central = records["centralized-S1"]
+    assert (central.kind, central.method, central.alpha, central.rounds) == (
+        "centralized", "centralized", None, 3)
+    assert central.curve == ((1, 0.6), (2, 0.71), (3, 0.70))
+
+
+def test_table3_mean_std_delta_and_missing_cells(grid_dir):
+    table = reports.table3(reports.load_records(grid_dir))
+    assert reports.to_markdown(table) == (
+        "| Method | α | S1 Base | S1 +FedSPC | S1 Δ | S2 Base | S2 +FedSPC | S2 Δ |\n"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n"
+        "| FedRep | 0.1 | 51.00 ± 1.41 | 55.50 ± 0.71 | +4.50 | 40.00 | — | — |\n"
+        "| FedRep | 1.0 | 30.00 | — | — | — | — | — |\n"
+        "\n"
+        "Centralized (S1): 70.00%\n")
+    assert reports.to_csv(table) == (
+        "method,alpha,setting,base,base_std,base_n,fedspc,fedspc_std,fedspc_n,delta\n"
+        "FedRep,0.1,S1,51.0,1.4142,2,55.5,0.7071,2,4.5\n"
+        "FedRep,0.1,S2,40.0,,1,,,0,\n"
+        "FedRep,1.0,S1,30.0,,1,,,0,\n"
+        "FedRep,1.0,S2,,,0,,,0,\n")
+
+
+def test_table1_rows_method_by_alpha_in_the_papers_order(grid_dir):
+    records = reports.load_records(grid_dir)
+    assert reports.to_markdown(reports.table1(records)) == (
+        "| Method | α | S1 | S2 |\n"
+        "| --- | --- | ---: | ---: |\n"
+        "| FedAvg | 0.1 | 45.00 | — |\n"
+        "| FedRep | 0.1 | 51.00 ± 1.41 | 40.00 |\n"
+        "| FedRep | 1.0 | 30.00 | — |\n"
+        "| FedRep+FedSPC | 0.1 | 55.50 ± 0.71 | — |\n"
+        "| FedRep+FedSPC | 1.0 | — | — |\n"
+        "\n"
+        "Centralized (S1): 70.00%\n")
+    csv_lines = reports.to_csv(reports.table1(records)).splitlines()
+    assert csv_lines[0] == "method,fedspc,alpha,setting,accuracy,std,n"
+    assert "FedRep,false,0.1,S1,51.0,1.4142,2" in csv_lines
+    assert "FedRep,true,1.0,S2,,,0" in csv_lines
+    best = reports.to_markdown(reports.table1(records, metric="best")).splitlines()
+    assert best[3] == "| FedRep | 0.1 | 52.50 ± 0.71 | 40.00 |"  # best of 53 and 52
+    assert best[-1] == "Centralized (S1): 71.00%"
+
+
+def test_runs_table(grid_dir):
+    table = reports.runs_table(reports.load_records(grid_dir))
+    markdown = reports.to_markdown(table).splitlines()
+    assert markdown[0] == ("| Run | Status | Rounds | Final (%) | Best (%) | Best round "
+                           "| Wall time |")
+    assert "| fedrep-a0.1-s0-S1 | complete | 2 | 50.00 | 53.00 | 1 | 1:02:05 |" in markdown
+    assert "| fedrep+fedspc-a1-s0-S1 | failed | — | — | — | — | — |" in markdown
+    assert "| fedrep+fedspc-a0.1-s0-S2 | partial | 1 | 20.00 | 20.00 | 1 | 0:00:10 |" \
+        in markdown
+    csv_lines = reports.to_csv(table).splitlines()
+    assert csv_lines[0] == "run,kind,status,rounds,final,best,best_round,wall_seconds"
+    assert "centralized-S1,centralized,complete,3,70.0,71.0,2,3725.4" in csv_lines
+
+
+def test_stat_and_delta_text():
+    assert reports.summarize([]).text() == "—"
+    assert reports.summarize([12.345]).text() == "12.35"
+    assert reports.summarize([1.0, 2.0, 3.0]).text() == "2.00 ± 1.00"
+    assert reports.delta_text(1.234) == "+1.23"
+    assert reports.delta_text(-0.34) == "-0.34"
+    assert reports.delta_text(None) == "—"
+
+
+def test_records_without_grid_json_come_from_the_folders(tmp_path):
+    write_run(tmp_path, "a", setting="ignored", final=0.5, curve=(0.5,))
+    write_run(tmp_path, "b", setting="ignored", fedspc=True, final=0.6, curve=(0.6,))
+    records = reports.load_records(tmp_path)
+    assert [(r.name, r.setting, r.fedspc) for r in records] == [
+        ("a", "cifar100-cnn", False), ("b", "cifar100-cnn", True)]
+    assert reports.to_markdown(reports.table3(records)).splitlines()[2] == (
+        "| FedRep | 0.1 | 50.00 | 60.00 | +10.00 |")
+
+
+def test_figures_and_report_files(grid_dir):
+    labels = np.repeat(np.arange(5), 20)
+    for name, alpha in (("fedrep-a0.1-s0-S1", 0.1), ("fedrep-a1-s0-S1", 1.0)):
+        partition = dirichlet_partition(labels, labels, num_clients=4, alpha=alpha, seed=0,
+                                        min_samples=1)
+        save_partition(partition, grid_dir / name)
+    records = reports.load_records(grid_dir)
+    out = grid_dir / "report"
+    written = reports.write_report(records, out, title="grid")
+    names = sorted(p.name for p in written)
+    assert names == sorted([
+        "table1.md", "table1.csv", "table3.md", "table3.csv", "best.md", "best.csv",
+        "centralized.md", "centralized.csv", "runs.md", "runs.csv",
+        "curves-S1-a0.1.png", "curves-S1-a1.png", "curves-S2-a0.1.png",
+        "partitions-cifar100.png", "delta.png", "report.md"])
+    for path in written:
+        if path.suffix == ".png":
+            assert path.read_bytes()[:8] == PNG
+    report = (out / "report.md").read_text()
+    assert report.startswith("# Results: grid\n")
+    assert "| FedRep | 0.1 | 51.00 ± 1.41 | 55.50 ± 0.71 | +4.50 |" in report
+    assert "![delta](delta.png)" in report
+    assert (out / "centralized.md").read_text().splitlines()[2] == "| S1 | 70.00 | 71.00 |"
+
+
+def test_no_fedspc_cells_means_no_table3_and_no_delta_chart(tmp_path):
+    cells = [write_run(tmp_path, "fedavg", setting="S", method="fedavg", final=0.4,
+                       curve=(0.4,))]
+    written = reports.write_report(reports.load_records(tmp_path, cells), tmp_path / "r")
+    names = {p.name for p in written}
+    assert "table1.md" in names and "table3.md" not in names and "delta.png" not in names
