@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Mapping
@@ -135,6 +136,12 @@ class LocalSuperLink:
         self.stop()
 
 
+def _kill_group(pid: int, expired: threading.Event) -> None:
+    expired.set()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
 def federation_config(clients: int, client_cpus: float, client_gpus: float) -> str:
     return (f"num-supernodes={clients} client-resources-num-cpus={client_cpus:g} "
             f"client-resources-num-gpus={client_gpus:g}")
@@ -162,19 +169,28 @@ def flwr_run(superlink: LocalSuperLink, run_config: Mapping[str, Any], *, client
             process = subprocess.Popen(command, env=simulation_env(superlink.flwr_home),
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        start_new_session=True)
-            deadline = None if timeout is None else time.monotonic() + timeout
-            assert process.stdout is not None
-            for line in process.stdout:
-                if sink:
-                    sink.write(line)
-                    sink.flush()
-                if echo:
-                    sys.stdout.write(line.decode(errors="replace"))
-                    sys.stdout.flush()
-                if deadline is not None and time.monotonic() > deadline:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    raise TimeoutError(f"flwr run exceeded {timeout:.0f} s")
-            return process.wait()
+            # A timer, not a check per output line: a run can hang without printing.
+            timer, expired = None, threading.Event()
+            if timeout is not None:
+                timer = threading.Timer(timeout, _kill_group, (process.pid, expired))
+                timer.daemon = True
+                timer.start()
+            try:
+                assert process.stdout is not None
+                for line in process.stdout:
+                    if sink:
+                        sink.write(line)
+                        sink.flush()
+                    if echo:
+                        sys.stdout.write(line.decode(errors="replace"))
+                        sys.stdout.flush()
+                code = process.wait()
+            finally:
+                if timer is not None:
+                    timer.cancel()
+            if expired.is_set():
+                raise TimeoutError(f"flwr run exceeded {timeout:.0f} s")
+            return code
     finally:
         os.unlink(config_path)
 
