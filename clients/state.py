@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from fedspc_app.task import ArrayDict, from_record, to_record
+
+if TYPE_CHECKING:
+    from clients.durable import DurableState
 
 PERSONAL = "personal"
 LOCAL_REFERENCE = "local-reference"
@@ -38,8 +42,18 @@ class ClientState:
     rounds_trained: int = 0
 
     @classmethod
-    def load(cls, records: RecordDict) -> "ClientState":
-        """Read the state from ``context.state`` (empty on a client's first round)."""
+    def load(cls, records: RecordDict, store: "DurableState | None" = None) -> "ClientState":
+        """Read the state from ``context.state`` (empty on a client's first round).
+
+        With a durable ``store`` and an empty ``context.state`` (the first message
+        after a SuperNode restart), the state comes from the store's file and is put
+        back into ``context.state``.
+        """
+        if store is not None and INFO not in records:
+            restored = store.read()
+            if restored is not None:
+                restored._put(records)
+                return restored
 
         def arrays(key: str) -> ArrayDict | None:
             return from_record(records[key]) if key in records else None
@@ -52,8 +66,17 @@ class ClientState:
             rounds_trained=int(info.get("rounds-trained", 0)),
         )
 
-    def commit(self, records: RecordDict) -> None:
-        """Write the state into ``context.state``; call only after a round succeeded."""
+    def commit(self, records: RecordDict, store: "DurableState | None" = None) -> None:
+        """Write the state into ``context.state``; call only after a round succeeded.
+
+        With a durable ``store`` its file is replaced first, so that a failed write
+        leaves both copies at the previous round.
+        """
+        if store is not None:
+            store.write(self)
+        self._put(records)
+
+    def _put(self, records: RecordDict) -> None:
         staged: dict[str, ArrayRecord] = {}
         for key, value in (
             (PERSONAL, self.personal),

@@ -22,6 +22,7 @@ import math
 import numbers
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -459,30 +460,31 @@ def dirichlet_partition(
 # --------------------------------------------------------------------------- #
 
 
-def save_partition(partition: Partition, directory: str | os.PathLike[str]) -> None:
+def save_partition(partition: "Partition | Mapping[str, Any]",
+                   directory: str | os.PathLike[str]) -> None:
     """Write ``partition.json`` and ``partition.csv`` into ``directory``.
 
     Parameters
     ----------
-    partition : Partition
-        A partition from :func:`dirichlet_partition`.
+    partition : Partition or dict
+        A partition from :func:`dirichlet_partition`, or its :meth:`Partition.to_dict`
+        form (e.g. counts reported by deployed clients).
     directory : path-like
-        Created if missing. ``partition.json`` holds :meth:`Partition.to_dict`;
+        Created if missing. ``partition.json`` holds the dict form;
         ``partition.csv`` has columns ``client, split, class_0, ...`` with a
         ``train`` and a ``test`` row per client. Both are written atomically.
     """
+    data = partition.to_dict() if isinstance(partition, Partition) else dict(partition)
     directory = Path(directory)
-    text = json.dumps(partition.to_dict(), indent=1) + "\n"
-    atomic_write(directory / PARTITION_JSON, text.encode("utf-8"))
+    atomic_write(directory / PARTITION_JSON, json.dumps(data, indent=1) + "\n")
 
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["client", "split", *(f"class_{c}" for c in range(partition.num_classes))])
-    train_counts, test_counts = partition.train_counts(), partition.test_counts()
-    for k in range(partition.num_clients):
-        writer.writerow([k, "train", *train_counts[k].tolist()])
-        writer.writerow([k, "test", *test_counts[k].tolist()])
-    atomic_write(directory / PARTITION_CSV, buffer.getvalue().encode("utf-8"))
+    writer.writerow(["client", "split", *(f"class_{c}" for c in range(data["num_classes"]))])
+    for k in range(data["num_clients"]):
+        writer.writerow([k, "train", *np.asarray(data["train_counts"][k]).tolist()])
+        writer.writerow([k, "test", *np.asarray(data["test_counts"][k]).tolist()])
+    atomic_write(directory / PARTITION_CSV, buffer.getvalue())
 
 
 def load_partition_counts(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -1,4 +1,10 @@
-"""ServerApp: parse the run-config, check data and partition, run the method's strategy."""
+"""ServerApp: parse the run-config, check data and partition, run the method's strategy.
+
+In simulation the server loads the dataset and computes the partition itself, so
+that any bad input stops the run with one message before training. In a
+deployment the server machine need not hold the data (see
+:mod:`fedspc_app.deployment`).
+"""
 
 from __future__ import annotations
 
@@ -10,14 +16,14 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from fedspc_app.config import RunConfig, parse_run_config
-from fedspc_app.errors import FedSPCError
+from fedspc_app.deployment import is_deployment, preflight, server_dataset
+from fedspc_app.errors import ConfigError, FedSPCError
 from fedspc_app.methods import Method, get_method
 from fedspc_app.partition import save_partition
 from fedspc_app.results import RunRecorder, TrafficGrid
 from fedspc_app.task import (
     ParameterSplit,
     load_partition,
-    load_run_dataset,
     make_model,
     parameter_split,
     state_arrays,
@@ -26,7 +32,6 @@ from fedspc_app.task import (
 from strategies import FedSPC, PersonalizedFedAvg
 
 app = ServerApp()
-
 
 def build_strategy(config: RunConfig, method: Method, split: ParameterSplit,
                    recorder: RunRecorder | None = None, num_clients: int = 2):
@@ -62,13 +67,25 @@ def wait_for_clients(grid: Grid, expected: int, timeout: float = 600.0) -> int:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run a federated training as the run-config describes."""
+    deployment = is_deployment(grid)
     try:
         config = parse_run_config(context.run_config)
         method = get_method(config.method)
-        dataset = load_run_dataset(config)
+        if deployment and not config.num_clients:
+            raise ConfigError(
+                "run-config 'num-clients' must be the number of SuperNodes in a deployment "
+                "(each started with --node-config \"partition-id=i num-partitions=N\")")
+        shape, dataset = server_dataset(config, deployment)
         num_clients = wait_for_clients(grid, config.num_clients)
-        partition = load_partition(config, num_clients)
-        model = make_model(config, dataset)
+        if deployment:
+            partition = preflight(grid, config, num_clients, shape)
+            sizes = {"train": sum(map(sum, partition["train_counts"])),
+                     "test": sum(map(sum, partition["test_counts"]))}
+        else:
+            partition = load_partition(config, num_clients)
+            sizes = {"train": int(dataset.train_labels.shape[0]),
+                     "test": int(dataset.test_labels.shape[0])}
+        model = make_model(config, shape)
         split = parameter_split(model, method)
     except FedSPCError as error:
         log(ERROR, "Run not started: %s", error)
@@ -79,9 +96,8 @@ def main(grid: Grid, context: Context) -> None:
     recorder.start(extra={
         "method": method.summary,
         "num-clients": num_clients,
-        "dataset": {"name": dataset.name, "train": int(dataset.train_labels.shape[0]),
-                    "test": int(dataset.test_labels.shape[0]),
-                    "classes": dataset.num_classes},
+        "runtime": "deployment" if deployment else "simulation",
+        "dataset": {"name": shape.name, **sizes, "classes": shape.num_classes},
         "shared-keys": list(split.shared),
         "personal-keys": list(split.personal),
     })
@@ -90,12 +106,12 @@ def main(grid: Grid, context: Context) -> None:
         config.model, config.dataset, num_clients, config.alpha, config.num_rounds)
 
     strategy = build_strategy(config, method, split, recorder, num_clients)
-    train_config = ConfigRecord({"num-clients": num_clients})
+    round_config = {"num-clients": num_clients, "deployment": deployment}
     strategy.start(
         grid=traffic,
         initial_arrays=to_record(state_arrays(model, split.shared)),
         num_rounds=config.num_rounds,
-        train_config=train_config,
-        evaluate_config=ConfigRecord({"num-clients": num_clients}),
+        train_config=ConfigRecord(round_config),
+        evaluate_config=ConfigRecord(round_config),
     )
     recorder.finish()

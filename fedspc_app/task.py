@@ -114,7 +114,32 @@ def parameter_split(model: nn.Module, method: Method) -> ParameterSplit:
 
 
 # ------------------------------------------------------------------ model, data
-def make_model(config: RunConfig, dataset: ImageDataset) -> nn.Module:
+@dataclass(frozen=True)
+class DatasetShape:
+    """What building the model needs to know about a dataset: its input and output sizes."""
+
+    name: str
+    num_classes: int
+    in_chans: int
+    image_size: int
+
+
+# The shapes :mod:`fedspc_app.data` loads each dataset with, for a server that does not
+# hold the data (a deployment's SuperLink machine).
+KNOWN_SHAPES: dict[str, DatasetShape] = {
+    "digits": DatasetShape("digits", num_classes=10, in_chans=1, image_size=32),
+    "cifar10": DatasetShape("cifar10", num_classes=10, in_chans=3, image_size=32),
+    "cifar100": DatasetShape("cifar100", num_classes=100, in_chans=3, image_size=32),
+    "tinyimagenet": DatasetShape("tinyimagenet", num_classes=200, in_chans=3, image_size=64),
+}
+
+
+def dataset_shape(dataset: ImageDataset) -> DatasetShape:
+    """The shape of a loaded dataset."""
+    return DatasetShape(dataset.name, dataset.num_classes, dataset.in_chans, dataset.image_size)
+
+
+def make_model(config: RunConfig, dataset: ImageDataset | DatasetShape) -> nn.Module:
     """The run's model, initialised from the run seed (identical on every party)."""
     return build_model(
         config.model,

@@ -82,6 +82,7 @@ OTHER_CASES = [(m, spc) for m in ("fedavg", "fedprox", "scaffold", "fedper", "fe
                                                                      ("fedrep", True)}]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("method", "fedspc"), OTHER_CASES)
 def test_every_method_runs_in_the_simulation_engine(superlink, tmp_path, method, fedspc):
     """Two rounds of each remaining method, with and without FedSPC, through flwr run."""

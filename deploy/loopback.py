@@ -1,0 +1,301 @@
+"""A whole FedSPC deployment on this machine: one SuperLink, N SuperNodes, the CLI.
+
+It runs exactly what docs/DEPLOYMENT.md has an operator run on separate machines
+(``start-superlink.sh``, ``start-supernode.sh``, ``flwr supernode register``,
+``flwr run``), on loopback with free ports, a private ``FLWR_HOME`` per party,
+TLS and SuperNode authentication on by default, and a state directory per node.
+Every process is stopped by PID when done. For a first try, and to time a
+deployment against the simulation of the same config::
+
+    python -m deploy.loopback --nodes 2 --set "method='fedrep' fedspc=true num-rounds=3 local-epochs=1"
+    python -m deploy.loopback --nodes 2 --compare-simulation --set "num-rounds=3 local-epochs=1"
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from deploy.connection import write_connection
+from deploy.pki import (
+    CertificatePaths,
+    NodeKeyPaths,
+    create_certificates,
+    create_node_key,
+)
+from deploy.processes import (
+    OwnedProcess,
+    run_flwr,
+    superlink_process,
+    supernode_process,
+    wait_healthy,
+)
+from fedspc_app.config import parse_run_config
+from fedspc_app.simulate import (
+    APP_DIR,
+    SimulationFailed,
+    absolute_paths,
+    app_defaults,
+    free_port,
+    parse_assignments,
+    read_toml,
+)
+
+CONNECTION = "fedspc-loopback"
+CONNECTED = "SuperNode ID:"  # what a SuperNode logs once the SuperLink accepted it
+
+
+class LoopbackDeployment:
+    """A SuperLink and ``num_nodes`` SuperNodes on 127.0.0.1, owned by this process.
+
+    Parameters
+    ----------
+    root : path-like
+        Working folder: certificates, keys, one ``FLWR_HOME`` per party, logs, state.
+    num_nodes : int
+        SuperNodes, with ``partition-id`` 0..N-1 and ``num-partitions = N``.
+    tls : bool
+        Serve the SuperLink over TLS (a fresh CA); otherwise ``--insecure``.
+    node_auth : bool
+        Admit only registered SuperNode keys (needs ``tls``).
+    durable : bool
+        Give every SuperNode a ``state-dir``.
+    """
+
+    def __init__(self, root: str | Path, num_nodes: int, *, tls: bool = True,
+                 node_auth: bool = True, durable: bool = True) -> None:
+        if node_auth and not tls:
+            raise ValueError("SuperNode authentication needs TLS")
+        self.root = Path(root)
+        self.num_nodes = num_nodes
+        self.tls = tls
+        self.node_auth = node_auth
+        self.durable = durable
+        self.home = self.root / "superlink"  # the SuperLink's and the CLI's FLWR_HOME
+        self.certs: CertificatePaths | None = None
+        self.keys: list[NodeKeyPaths] = []
+        self.port = 0
+        self.superlink: OwnedProcess | None = None
+        self.nodes: dict[int, OwnedProcess] = {}
+        self.node_ports: dict[int, int] = {}
+        self.cli: set[OwnedProcess] = set()  # flwr commands running now
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def ca_file(self) -> Path | None:
+        return self.certs.ca_cert if self.certs else None
+
+    def state_dir(self, partition_id: int) -> Path | None:
+        return self.root / f"node-{partition_id}" / "state" if self.durable else None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, timeout: float = 120.0) -> LoopbackDeployment:
+        """Certificates and keys, the SuperLink, the CLI connection, registration, nodes."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.home.mkdir(exist_ok=True)
+        if self.tls:
+            self.certs = create_certificates(self.root / "certs")
+        if self.node_auth:
+            self.keys = [create_node_key(self.root / "keys", f"node-{i}")
+                         for i in range(self.num_nodes)]
+        self.port = free_port()
+        self.superlink = superlink_process(
+            self.home, port=self.port, certs_dir=self.certs.ca_cert.parent if self.certs
+            else None, node_auth=self.node_auth, log_file=self.root / "superlink.log")
+        self.superlink.start()
+        wait_healthy(self.address, ca_file=self.ca_file, process=self.superlink,
+                     timeout=timeout)
+        write_connection(self.home, CONNECTION, self.address,
+                         root_certificates=self.ca_file, insecure=not self.tls)
+        for key in self.keys:
+            result = self.register(key.public_key)
+            if result.returncode != 0:
+                raise RuntimeError(f"registering {key.public_key} failed:\n{result.stdout}")
+        for partition_id in range(self.num_nodes):
+            self.start_node(partition_id)
+        for partition_id in range(self.num_nodes):
+            self.wait_connected(partition_id, timeout)
+        return self
+
+    def stop(self) -> None:
+        """Stop running flwr commands, every SuperNode, then the SuperLink, all by PID."""
+        for process in list(self.cli):
+            process.stop()
+        for partition_id in list(self.nodes):
+            self.stop_node(partition_id)
+        if self.superlink is not None:
+            self.superlink.stop()
+            self.superlink = None
+
+    def __enter__(self) -> LoopbackDeployment:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---------------------------------------------------------------- SuperNodes
+    def node_process(self, partition_id: int, *, private_key: Path | None | str = "own",
+                     insecure: bool = False, log_name: str | None = None,
+                     port: int | None = None,
+                     extra_args: tuple[str, ...] = ()) -> OwnedProcess:
+        """A SuperNode for ``partition_id`` (not started); keys and TLS can be overridden.
+
+        ``port`` is its Runtime API port (default: a free one).
+        """
+        if private_key == "own":
+            private_key = self.keys[partition_id].private_key if self.keys else None
+        port = port or free_port()
+        home = self.root / f"node-{partition_id}"
+        home.mkdir(parents=True, exist_ok=True)
+        return supernode_process(
+            home, superlink=self.address, partition_id=partition_id,
+            num_partitions=self.num_nodes, port=port,
+            ca_file=None if insecure else self.ca_file,
+            private_key=private_key, state_dir=self.state_dir(partition_id),
+            log_file=self.root / (log_name or f"node-{partition_id}.log"),
+            extra_args=extra_args)
+
+    def start_node(self, partition_id: int, *, log_name: str | None = None) -> OwnedProcess:
+        if partition_id in self.nodes:
+            raise RuntimeError(f"SuperNode {partition_id} is already running")
+        port = self.node_ports.setdefault(partition_id, free_port())
+        node = self.node_process(partition_id, log_name=log_name, port=port).start()
+        self.nodes[partition_id] = node
+        return node
+
+    def stop_node(self, partition_id: int) -> int | None:
+        """Stop a SuperNode gracefully (SIGTERM: it signs off, and may rejoin at once)."""
+        return self.nodes.pop(partition_id).stop()
+
+    def wait_connected(self, partition_id: int, timeout: float = 120.0) -> None:
+        node = self.nodes[partition_id]
+        if not node.wait_for_log(CONNECTED, timeout):
+            raise RuntimeError(f"SuperNode {partition_id} did not connect within "
+                               f"{timeout:.0f} s; see {node.log_file}")
+
+    # ----------------------------------------------------------------- flwr CLI
+    def flwr(self, *args: str, timeout: float = 120.0):
+        """Run ``flwr <args>`` with this deployment's CLI ``FLWR_HOME``."""
+        return run_flwr(list(args), flwr_home=self.home, timeout=timeout, cwd=APP_DIR,
+                        in_flight=self.cli)
+
+    def register(self, public_key: Path):
+        return self.flwr("supernode", "register", str(public_key), CONNECTION)
+
+    def online_nodes(self) -> list[int]:
+        """IDs of the SuperNodes the SuperLink lists as online."""
+        result = self.flwr("supernode", "list", CONNECTION, "--format", "json")
+        if result.returncode != 0:
+            raise RuntimeError(f"flwr supernode list failed:\n{result.stdout}")
+        text = result.stdout
+        listing = json.loads(text[text.index("{"):text.rindex("}") + 1])
+        return [int(node["node-id"]) for node in listing.get("nodes", [])
+                if node.get("status") == "online"]
+
+    def submit(self, run_config: Mapping[str, Any], *, log_file: Path,
+               timeout: float) -> int:
+        """``flwr run . <connection> --stream`` with ``run_config``; its exit code."""
+        path = self.root / f"run-config-{time.time_ns()}.toml"
+        path.write_text(tomli_w.dumps(dict(run_config)))
+        try:
+            result = run_flwr(["run", str(APP_DIR), CONNECTION, "--stream",
+                               "--run-config", str(path)],
+                              flwr_home=self.home, timeout=timeout, log_file=log_file,
+                              cwd=APP_DIR, in_flight=self.cli)
+        finally:
+            path.unlink(missing_ok=True)
+        return result.returncode
+
+    def run(self, run_config: Mapping[str, Any], *, log_file: Path,
+            timeout: float = 900.0) -> dict[str, Any]:
+        """Validate, submit and wait for one run; return its ``summary.json``.
+
+        ``num-clients`` defaults to the number of SuperNodes. Like
+        :func:`fedspc_app.simulate.run_simulation`, success is a complete summary
+        written by this run (``flwr run`` exits 0 even when the ServerApp failed).
+        """
+        overrides = absolute_paths({"num-clients": self.num_nodes, **run_config})
+        defaults = absolute_paths({"output-dir": "results", **app_defaults()})
+        merged = {**defaults, **overrides}
+        config = parse_run_config(merged)
+        summary_path = config.run_dir / "summary.json"
+        started = time.time()
+        code = self.submit(merged, log_file=log_file, timeout=timeout)
+        if code != 0 or not summary_path.exists() or summary_path.stat().st_mtime < started:
+            raise SimulationFailed(f"deployed run {config.resolved_run_name!r} did not "
+                                   f"complete (flwr exit code {code}); see {log_file}")
+        summary = json.loads(summary_path.read_text())
+        if not summary.get("complete"):
+            raise SimulationFailed(f"run {config.resolved_run_name!r} stopped early: {summary}")
+        return summary
+
+
+def round_seconds(run_dir: Path) -> list[float]:
+    """``round-seconds`` of every round in a run's metrics.json."""
+    metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
+    return [float(row["round-seconds"]) for row in metrics["rounds"]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.loopback",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=2, help="SuperNodes (= num-clients)")
+    parser.add_argument("--run-config", help="TOML file of run-config overrides")
+    parser.add_argument("--set", default="", help='overrides, e.g. "num-rounds=3 fedspc=true"')
+    parser.add_argument("--insecure", action="store_true", help="no TLS, no node auth")
+    parser.add_argument("--workdir", help="keep certificates, logs and state here")
+    parser.add_argument("--compare-simulation", action="store_true",
+                        help="also run the same config in the simulation engine and "
+                             "print both per-round times")
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    args = parser.parse_args(argv)
+    run_config = read_toml(args.run_config) if args.run_config else {}
+    run_config.update(parse_assignments(args.set))
+    with contextlib.ExitStack() as stack:
+        root = Path(args.workdir) if args.workdir else Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="fedspc-loopback-")))
+        output = Path(run_config.get("output-dir", "results")).resolve()
+        name = str(run_config.get("run-name") or "") or parse_run_config(
+            {**app_defaults(), **run_config}).resolved_run_name
+        deployed = {**run_config, "output-dir": str(output), "run-name": f"{name}-deployed"}
+        try:
+            with LoopbackDeployment(root, args.nodes, tls=not args.insecure,
+                                    node_auth=not args.insecure) as deployment:
+                print(f"SuperLink {deployment.address}, {args.nodes} SuperNodes; logs in {root}")
+                deployment.run(deployed, log_file=root / "run.log", timeout=args.timeout)
+        except (SimulationFailed, RuntimeError, TimeoutError) as error:
+            print(f"fedspc: {error}", file=sys.stderr)
+            return 1
+        times = round_seconds(output / f"{name}-deployed")
+        print(f"deployment: {len(times)} rounds, seconds per round {times}")
+        if args.compare_simulation:
+            from fedspc_app.simulate import run_simulation, simulation
+
+            simulated = {**run_config, "output-dir": str(output), "run-name": f"{name}-simulated",
+                         "num-clients": args.nodes}
+            with simulation() as superlink:
+                run_simulation(simulated, superlink=superlink, clients=args.nodes,
+                               log_file=root / "simulation.log", timeout=args.timeout)
+            sim_times = round_seconds(output / f"{name}-simulated")
+            print(f"simulation: {len(sim_times)} rounds, seconds per round {sim_times}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
