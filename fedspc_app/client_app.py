@@ -31,7 +31,7 @@ from strategies.personalized import ARRAYS, METRICS
 
 app = ClientApp()
 
-# The ServerApp's check of a deployment before training (see server_app.preflight).
+# The ServerApp's check of a deployment before training (see deployment.preflight).
 PARTITION_QUERY = "partition"
 
 
