@@ -43,11 +43,11 @@ from fedspc_app.config import parse_run_config
 from fedspc_app.simulate import (
     APP_DIR,
     SimulationFailed,
-    absolute_paths,
     app_defaults,
     free_port,
     parse_assignments,
     read_toml,
+    submit_and_check,
 )
 
 CONNECTION = "fedspc-loopback"
@@ -230,20 +230,10 @@ class LoopbackDeployment:
         :func:`fedspc_app.simulate.run_simulation`, success is a complete summary
         written by this run (``flwr run`` exits 0 even when the ServerApp failed).
         """
-        overrides = absolute_paths({"num-clients": self.num_nodes, **run_config})
-        defaults = absolute_paths({"output-dir": "results", **app_defaults()})
-        merged = {**defaults, **overrides}
-        config = parse_run_config(merged)
-        summary_path = config.run_dir / "summary.json"
-        started = time.time()
-        code = self.submit(merged, log_file=log_file, timeout=timeout)
-        if code != 0 or not summary_path.exists() or summary_path.stat().st_mtime < started:
-            raise SimulationFailed(f"deployed run {config.resolved_run_name!r} did not "
-                                   f"complete (flwr exit code {code}); see {log_file}")
-        summary = json.loads(summary_path.read_text())
-        if not summary.get("complete"):
-            raise SimulationFailed(f"run {config.resolved_run_name!r} stopped early: {summary}")
-        return summary
+        return submit_and_check(
+            {"num-clients": self.num_nodes, **run_config},
+            lambda merged: self.submit(merged, log_file=log_file, timeout=timeout),
+            log_file=log_file)
 
 
 def round_seconds(run_dir: Path) -> list[float]:

@@ -31,12 +31,12 @@ import json
 import math
 import sys
 import time
-import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tomllib
 
 from fedspc_app.config import RunConfig, parse_run_config
 from fedspc_app.errors import ConfigError, FedSPCError
@@ -107,8 +107,13 @@ def train_centralized(config: RunConfig, *, epochs: int = 200, learning_rate: fl
     epoch_learning_rate(learning_rate, 1, epochs, lr_schedule)  # checks the name
     # torch is imported only now, so that bad options fail fast.
     from fedspc_app.data import iterate_batches
-    from fedspc_app.task import (load_run_dataset, make_model, resolve_device,
-                                 seeded_generator, use_augmentation)
+    from fedspc_app.task import (
+        load_run_dataset,
+        make_model,
+        resolve_device,
+        seeded_generator,
+        use_augmentation,
+    )
     from fedspc_app.training import evaluate_model, train_epochs
     config = config.replace(learning_rate=learning_rate)
     dataset = load_run_dataset(config)

@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -217,26 +217,24 @@ def absolute_paths(run_config: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run_simulation(run_config: Mapping[str, Any], *, superlink: LocalSuperLink,
-                   clients: int, client_cpus: float = 1.0, client_gpus: float = 0.0,
-                   app_dir: Path = APP_DIR, log_file: Path | None = None,
-                   timeout: float | None = None, echo: bool = False) -> dict[str, Any]:
-    """Validate, submit and wait for one run; return its ``summary.json``.
+def submit_and_check(run_config: Mapping[str, Any], submit: Callable[[dict], int], *,
+                     app_dir: Path = APP_DIR, log_file: Path | None = None) -> dict[str, Any]:
+    """Validate ``run_config``, hand the merged config to ``submit``, return the summary.
 
-    The config is checked here first, so a typo fails at once. ``flwr run`` exits 0
-    even when the ServerApp fails, so success is judged by a complete summary
-    written by this run.
+    ``submit(run_config) -> exit code`` starts the run (``flwr run`` on some
+    connection) and waits for it. The config is checked here first, so a typo fails
+    at once. ``flwr run`` exits 0 even when the ServerApp fails, so success is
+    judged by a complete ``summary.json`` written by this run.
     """
     from fedspc_app.config import parse_run_config
 
     overrides = absolute_paths(run_config)
     defaults = absolute_paths({"output-dir": "results", **app_defaults(app_dir)})
-    config = parse_run_config({**defaults, **overrides})
+    merged = {**defaults, **overrides}
+    config = parse_run_config(merged)
     summary_path = config.run_dir / "summary.json"
     started = time.time()
-    code = flwr_run(superlink, {**defaults, **overrides}, clients=clients,
-                    client_cpus=client_cpus, client_gpus=client_gpus, app_dir=app_dir,
-                    log_file=log_file, timeout=timeout, echo=echo)
+    code = submit(merged)
     if code != 0 or not summary_path.exists() or summary_path.stat().st_mtime < started:
         where = f"; see {log_file}" if log_file else ""
         raise SimulationFailed(f"run {config.resolved_run_name!r} did not complete "
@@ -245,6 +243,19 @@ def run_simulation(run_config: Mapping[str, Any], *, superlink: LocalSuperLink,
     if not summary.get("complete"):
         raise SimulationFailed(f"run {config.resolved_run_name!r} stopped early: {summary}")
     return summary
+
+
+def run_simulation(run_config: Mapping[str, Any], *, superlink: LocalSuperLink,
+                   clients: int, client_cpus: float = 1.0, client_gpus: float = 0.0,
+                   app_dir: Path = APP_DIR, log_file: Path | None = None,
+                   timeout: float | None = None, echo: bool = False) -> dict[str, Any]:
+    """Validate, submit and wait for one simulated run; return its ``summary.json``."""
+    return submit_and_check(
+        run_config,
+        lambda merged: flwr_run(superlink, merged, clients=clients, client_cpus=client_cpus,
+                                client_gpus=client_gpus, app_dir=app_dir, log_file=log_file,
+                                timeout=timeout, echo=echo),
+        app_dir=app_dir, log_file=log_file)
 
 
 @contextlib.contextmanager
