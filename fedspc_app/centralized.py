@@ -31,12 +31,12 @@ import json
 import math
 import sys
 import time
+import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tomllib
 
 from fedspc_app.config import RunConfig, parse_run_config
 from fedspc_app.errors import ConfigError, FedSPCError
