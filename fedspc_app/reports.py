@@ -560,16 +560,20 @@ def plot_deltas(records: Sequence[ResultRecord], path: str | Path) -> Path | Non
         for i, alpha in enumerate(alphas):
             heights = [values[setting, m, alpha] for m in methods]
             xs = [j + (i - (len(alphas) - 1) / 2) * width for j in range(len(methods))]
-            ax.bar([x for x, h in zip(xs, heights) if h is not None],
-                   [h for h in heights if h is not None], width=width,
-                   label=f"α = {alpha_text(alpha)}", color=f"C{i}")
+            shown = [(x, h) for x, h in zip(xs, heights) if h is not None]
+            if not shown:  # an α without any Δ yet gets no bars and no legend entry
+                continue
+            bars = ax.bar([x for x, _ in shown], [h for _, h in shown], width=width,
+                          label=f"α = {alpha_text(alpha)}", color=f"C{i}")
+            ax.bar_label(bars, fmt="%+.2f", fontsize=7, padding=2)
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(methods)))
         ax.set_xticklabels([display_method(m) for m in methods], rotation=30, ha="right")
         ax.set_ylabel("Δ accuracy (points)")
         ax.set_title(setting)
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.suptitle("FedSPC gain: +FedSPC − Base (final round)")
     return _save_png(fig, Path(path))
 

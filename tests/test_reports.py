@@ -195,3 +195,16 @@ def test_no_fedspc_cells_means_no_table3_and_no_delta_chart(tmp_path):
     written = reports.write_report(reports.load_records(tmp_path, cells), tmp_path / "r")
     names = {p.name for p in written}
     assert "table1.md" in names and "table3.md" not in names and "delta.png" not in names
+
+
+def test_delta_chart_draws_only_the_alphas_that_have_a_delta(grid_dir, monkeypatch):
+    drawn = []
+    monkeypatch.setattr(reports, "_save_png", lambda fig, path: drawn.append(fig) or path)
+    assert reports.plot_deltas(reports.load_records(grid_dir), "delta.png") == Path("delta.png")
+    s1, s2 = drawn[0].axes
+    # S1: a Δ at α = 0.1 only (+FedSPC at α = 1 is missing): one bar, one legend entry,
+    # labelled with its value; S2 has no Δ at all, so no bars and no legend.
+    assert [t.get_text() for t in s1.get_legend().get_texts()] == ["α = 0.1"]
+    assert [round(p.get_height(), 2) for p in s1.patches] == [4.5]
+    assert [t.get_text() for t in s1.texts] == ["+4.50"]
+    assert len(s2.patches) == 0 and s2.get_legend() is None
