@@ -566,6 +566,7 @@ def plot_deltas(records: Sequence[ResultRecord], path: str | Path) -> Path | Non
             bars = ax.bar([x for x, _ in shown], [h for _, h in shown], width=width,
                           label=f"α = {alpha_text(alpha)}", color=f"C{i}")
             ax.bar_label(bars, fmt="%+.2f", fontsize=7, padding=2)
+        ax.margins(y=0.12)  # room for the value labels
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(methods)))
         ax.set_xticklabels([display_method(m) for m in methods], rotation=30, ha="right")
