@@ -448,19 +448,25 @@ def test_tls_and_node_auth_deployment_trains_fedrep_with_fedspc(deployment, tmp_
     assert "round 2/2" in log and "client state on the node's disk" in log
 
 
-@pytest.mark.deploy
-def test_supernode_with_an_unregistered_key_is_refused(deployment, tmp_path):
-    key = create_node_key(tmp_path, "stranger")
-    node = deployment.node_process(0, private_key=key.private_key, log_name="stranger.log")
+def _refused(deployment, node) -> str:
+    """Run a SuperNode the SuperLink must refuse; its log, once it exited non-zero
+    and the two registered nodes are still the only ones online."""
     node.start()
     try:
         code = node.process.wait(timeout=180)
     finally:
         node.stop()
-    log = node.log_text()
     assert code != 0
-    assert "Failed to activate SuperNode" in log and CONNECTED not in log
     assert len(deployment.online_nodes()) == 2
+    return node.log_text()
+
+
+@pytest.mark.deploy
+def test_supernode_with_an_unregistered_key_is_refused(deployment, tmp_path):
+    key = create_node_key(tmp_path, "stranger")
+    node = deployment.node_process(0, private_key=key.private_key, log_name="stranger.log")
+    log = _refused(deployment, node)
+    assert "Failed to activate SuperNode" in log and CONNECTED not in log
 
 
 @pytest.mark.deploy
@@ -468,16 +474,9 @@ def test_insecure_supernode_cannot_join_the_tls_superlink(deployment):
     node = deployment.node_process(1, insecure=True, private_key=None,
                                    log_name="insecure.log",
                                    extra_args=("--max-retries", "3", "--max-wait-time", "60"))
-    node.start()
-    try:
-        code = node.process.wait(timeout=180)
-    finally:
-        node.stop()
-    log = node.log_text()
-    assert code != 0
+    log = _refused(deployment, node)
     assert "Failed to initialize the connection to the SuperLink" in log
     assert CONNECTED not in log
-    assert len(deployment.online_nodes()) == 2
 
 
 @pytest.mark.deploy
