@@ -8,6 +8,8 @@ the cells' ``summary.json``, ``metrics.json`` and ``config.json`` by
   (dataset-model), final-round personalized accuracy (%).
 * Table 3 format (:func:`table3`): rows PFL method × α; per setting the columns
   Base, +FedSPC and Δ = +FedSPC − Base.
+* Pairs (:func:`pairs_table`): Base vs +FedSPC over the whole run (Δ at the final
+  round, over the last rounds and at the best round; rounds ahead and behind).
 * With several seeds a value is ``mean ± std`` (sample std, ddof = 1) and Δ is the
   difference of the means; a cell without a finished run shows ``—``.
 
@@ -393,6 +395,60 @@ def table3(records: Sequence[ResultRecord], *, metric: str = "final") -> Table:
                  csv_rows=csv_rows, notes=tuple(centralized_lines(records, metric=metric)))
 
 
+def pairs_table(records: Sequence[ResultRecord], *, window: int = 5) -> Table:
+    """Base vs +FedSPC over the whole run, not only at the final round.
+
+    For each method × α × setting with complete Base and +FedSPC runs, the
+    seed-mean curves are compared on the rounds both recorded: Δ at the final
+    round, Δ of the mean over the last ``window`` of those rounds, Δ of the best
+    round, and in how many rounds +FedSPC is ahead of (or behind) Base. One seed's
+    final round can be noise; the window and the counts show whether a difference
+    holds over the run.
+    """
+    if window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
+    federated = [r for r in records if r.kind == FEDERATED and r.complete and r.curve]
+    rows, csv_rows = [], []
+    for setting in settings_of(federated):
+        for method in methods_of(federated):
+            for alpha in alphas_of(r for r in federated if r.method == method):
+                curves = []
+                for fedspc in (False, True):
+                    chosen = [r for r in federated if r.method == method
+                              and r.fedspc == fedspc and r.setting == setting
+                              and _same_alpha(r.alpha, alpha)]
+                    steps, mean, _ = mean_curve(chosen)
+                    curves.append((dict(zip(steps, mean)), len(chosen)))
+                (base, n_base), (spc, n_spc) = curves
+                common = sorted(set(base) & set(spc))
+                if not common:
+                    continue
+                tail = common[-window:]
+                final = spc[common[-1]] - base[common[-1]]
+                tail_delta = (statistics.fmean(spc[s] for s in tail)
+                              - statistics.fmean(base[s] for s in tail))
+                best = max(spc[s] for s in common) - max(base[s] for s in common)
+                ahead = sum(spc[s] > base[s] for s in common)
+                behind = sum(spc[s] < base[s] for s in common)
+                rows.append([display_method(method), alpha_text(alpha), setting,
+                             str(common[-1]), f"{base[common[-1]]:.2f}",
+                             f"{spc[common[-1]]:.2f}", delta_text(final),
+                             delta_text(tail_delta), delta_text(best),
+                             f"{ahead} / {behind}", f"{n_base} / {n_spc}"])
+                csv_rows.append([display_method(method), alpha_text(alpha), setting,
+                                 common[-1], len(tail), _num(base[common[-1]]),
+                                 _num(spc[common[-1]]), _num(final), _num(tail_delta),
+                                 _num(best), ahead, behind, n_base, n_spc])
+    return Table(
+        columns=["Method", "α", "Setting", "Round", "Base", "+FedSPC", "Δ final",
+                 f"Δ last {window}", "Δ best", "Rounds ahead / behind", "Seeds"],
+        rows=rows, numeric=(False, False, False, *[True] * 8),
+        csv_columns=["method", "alpha", "setting", "round", "window", "base", "fedspc",
+                     "delta_final", "delta_window", "delta_best", "rounds_ahead",
+                     "rounds_behind", "base_n", "fedspc_n"],
+        csv_rows=csv_rows)
+
+
 def centralized_lines(records: Sequence[ResultRecord], *, metric: str = "final") -> list[str]:
     """``Centralized (C-R34): 79.57%`` for every setting with a centralized cell."""
     lines = []
@@ -617,7 +673,7 @@ def write_report(records: Sequence[ResultRecord], out_dir: str | Path, *,
     """Write every table (Markdown and CSV), the figures and ``report.md``.
 
     Files: ``table1.{md,csv}`` (final-round accuracy), ``best.{md,csv}`` (best-round
-    accuracy), ``table3.{md,csv}`` (when some cell uses FedSPC),
+    accuracy), ``table3.{md,csv}`` and ``pairs.{md,csv}`` (when some cell uses FedSPC),
     ``centralized.{md,csv}`` (when there are centralized cells), ``runs.{md,csv}``,
     ``curves-<setting>-a<alpha>.png``, ``partitions-<dataset>.png``, ``delta.png``
     and ``report.md`` holding all of them.
@@ -636,6 +692,10 @@ def write_report(records: Sequence[ResultRecord], out_dir: str | Path, *,
     if any(r.kind == FEDERATED and r.fedspc for r in records):
         tables.insert(1, ("table3", "Base vs +FedSPC, final round (%), Table 3 format; "
                                     "Δ = +FedSPC − Base", table3(records)))
+        tables.insert(2, ("pairs", "Base vs +FedSPC over the run (seed means, %): Δ at "
+                                   "the final round, over the last 5 rounds and at the "
+                                   "best round; rounds where +FedSPC is ahead / behind",
+                          pairs_table(records)))
     if any(r.kind == CENTRALIZED for r in records):
         tables.append(("centralized", "Centralized reference (pooled data, %)",
                        centralized_table(records)))

@@ -206,6 +206,11 @@ def test_shipped_grids_expand_to_the_papers_tables():
     assert (rc["dataset"], rc["model"], rc["num-rounds"], rc["local-epochs"]) == (
         "cifar100", "cnn", 20, 1)
     assert len([c for c in cpu.cells if c.kind == "federated"]) == 5 * 2 * 3
+    e5 = load_grid(REPO / "conf/experiments/cpu-cifar100-cnn-e5.yaml", output_dir="/tmp/unused")
+    assert [c.name for c in e5.cells] == ["fedrep", "fedrep+fedspc", "lgfedavg",
+                                          "lgfedavg+fedspc"]
+    assert {(c.run_config["local-epochs"], c.run_config["alpha"], c.run_config["num-rounds"])
+            for c in e5.cells} == {(5, 0.1, 20)}
 
 
 # ------------------------------------------------------------------------ running

@@ -176,7 +176,7 @@ def test_figures_and_report_files(grid_dir):
     names = sorted(p.name for p in written)
     assert names == sorted([
         "table1.md", "table1.csv", "table3.md", "table3.csv", "best.md", "best.csv",
-        "centralized.md", "centralized.csv", "runs.md", "runs.csv",
+        "pairs.md", "pairs.csv", "centralized.md", "centralized.csv", "runs.md", "runs.csv",
         "curves-S1-a0.1.png", "curves-S1-a1.png", "curves-S2-a0.1.png",
         "partitions-cifar100.png", "delta.png", "report.md"])
     for path in written:
@@ -185,8 +185,32 @@ def test_figures_and_report_files(grid_dir):
     report = (out / "report.md").read_text()
     assert report.startswith("# Results: grid\n")
     assert "| FedRep | 0.1 | 51.00 ± 1.41 | 55.50 ± 0.71 | +4.50 |" in report
+    assert "| FedRep | 0.1 | S1 | 2 | 51.00 | 55.50 | +4.50 | +4.00 | +4.50 | 2 / 0 | 2 / 2 |" \
+        in report
     assert "![delta](delta.png)" in report
     assert (out / "centralized.md").read_text().splitlines()[2] == "| S1 | 70.00 | 71.00 |"
+
+
+def test_pairs_compare_seed_mean_curves_on_complete_pairs_only(grid_dir):
+    # S1, α = 0.1: Base seeds (53, 50) and (40, 52) average to (46.5, 51.0), +FedSPC
+    # (50, 55) and (50, 56) to (50.0, 55.5). α = 1.0 has no +FedSPC run and S2 only a
+    # partial one, so neither gets a row.
+    table = reports.pairs_table(reports.load_records(grid_dir))
+    assert table.csv_rows == [["FedRep", "0.1", "S1", 2, 2, 51.0, 55.5, 4.5, 4.0, 4.5, 2, 0,
+                               2, 2]]
+
+
+def test_pairs_window_ties_and_rounds_behind(tmp_path):
+    cells = [write_run(tmp_path, "base", setting="S", final=0.2, curve=(0.1, 0.3, 0.2)),
+             write_run(tmp_path, "spc", setting="S", fedspc=True, final=0.4,
+                       curve=(0.1, 0.2, 0.4))]
+    table = reports.pairs_table(reports.load_records(tmp_path, cells), window=2)
+    # Round 1 ties, round 2 behind, round 3 ahead; last 2 rounds: 30 vs 25; best 40 vs 30.
+    assert table.rows == [["FedRep", "0.1", "S", "3", "20.00", "40.00", "+20.00", "+5.00",
+                           "+10.00", "1 / 1", "1 / 1"]]
+    assert table.columns[7] == "Δ last 2"
+    with pytest.raises(ValueError, match="window"):
+        reports.pairs_table([], window=0)
 
 
 def test_no_fedspc_cells_means_no_table3_and_no_delta_chart(tmp_path):
@@ -194,7 +218,8 @@ def test_no_fedspc_cells_means_no_table3_and_no_delta_chart(tmp_path):
                        curve=(0.4,))]
     written = reports.write_report(reports.load_records(tmp_path, cells), tmp_path / "r")
     names = {p.name for p in written}
-    assert "table1.md" in names and "table3.md" not in names and "delta.png" not in names
+    assert "table1.md" in names and "delta.png" not in names
+    assert "table3.md" not in names and "pairs.md" not in names
 
 
 def test_delta_chart_draws_only_the_alphas_that_have_a_delta(grid_dir, monkeypatch):
