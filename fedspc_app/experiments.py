@@ -72,6 +72,7 @@ from fedspc_app.simulate import (
     SimulationFailed,
     absolute_paths,
     app_defaults,
+    exit_on_termination,
     parse_assignments,
     read_toml,
     run_simulation,
@@ -1022,9 +1023,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "list" or args.dry_run:
             print_plan(grid, cells)
             return 0
-        with CellRunner(grid.simulation, echo=args.echo,
-                        flwr_home=Path(args.flwr_home) if args.flwr_home else None,
-                        superlink_log=grid.directory / "logs" / "superlink.log") as runner:
+        runner = CellRunner(grid.simulation, echo=args.echo,
+                            flwr_home=Path(args.flwr_home) if args.flwr_home else None,
+                            superlink_log=grid.directory / "logs" / "superlink.log")
+        with exit_on_termination(), runner:
             outcome = run_grid(grid, cells, runner=runner, retry_failed=args.retry_failed)
         if not args.no_report:
             _report(str(grid.directory), None, None)

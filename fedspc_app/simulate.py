@@ -136,6 +136,35 @@ class LocalSuperLink:
         self.stop()
 
 
+@contextlib.contextmanager
+def exit_on_termination() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into ``SystemExit`` while the block runs.
+
+    The local SuperLink, Ray and ``flwr run`` run in their own sessions, so a
+    signal sent to the caller's process group (a job scheduler's SIGTERM, a closed
+    terminal's SIGHUP) does not reach them. Python's default action for these
+    signals ends the process without running ``finally`` blocks, which would leave
+    them running; as ``SystemExit`` the context managers stop them. A signal that
+    is ignored (``nohup``) stays ignored; outside the main thread (where handlers
+    cannot be set) this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    # A signal the process was started to ignore (nohup's SIGHUP) stays ignored.
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(sig) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def _kill_group(pid: int, expired: threading.Event) -> None:
     expired.set()
     with contextlib.suppress(ProcessLookupError):
@@ -188,6 +217,9 @@ def flwr_run(superlink: LocalSuperLink, run_config: Mapping[str, Any], *, client
             finally:
                 if timer is not None:
                     timer.cancel()
+                if process.poll() is None:  # interrupted: do not leave flwr run behind
+                    _kill_group(process.pid, threading.Event())
+                    process.wait()
             if expired.is_set():
                 raise TimeoutError(f"flwr run exceeded {timeout:.0f} s")
             return code
@@ -296,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     run_config = read_toml(args.run_config) if args.run_config else {}
     run_config.update(parse_assignments(args.set))
     try:
-        with simulation(Path(args.flwr_home) if args.flwr_home else None) as superlink:
+        with exit_on_termination(), \
+                simulation(Path(args.flwr_home) if args.flwr_home else None) as superlink:
             run_simulation(run_config, superlink=superlink, clients=args.clients,
                            client_cpus=args.client_cpus, client_gpus=args.client_gpus,
                            log_file=Path(args.log) if args.log else None, echo=True)
