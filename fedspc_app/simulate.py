@@ -218,7 +218,8 @@ def flwr_run(superlink: LocalSuperLink, run_config: Mapping[str, Any], *, client
                 if timer is not None:
                     timer.cancel()
                 if process.poll() is None:  # interrupted: do not leave flwr run behind
-                    _kill_group(process.pid, threading.Event())
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, signal.SIGKILL)
                     process.wait()
             if expired.is_set():
                 raise TimeoutError(f"flwr run exceeded {timeout:.0f} s")

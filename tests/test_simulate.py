@@ -44,15 +44,18 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _terminate(tmp_path: Path, mode: str, sig: int,
-               hup: str = "default") -> tuple[int, str, int]:
+def _start(tmp_path: Path, mode: str, hup: str = "default") -> tuple[subprocess.Popen, int]:
+    """The child script running (``guarded`` or ``bare``) and its detached grandchild's PID."""
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen([sys.executable, str(script), mode, hup], stdout=subprocess.PIPE,
-                               text=True, env=env)
+                               text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert process.stdout is not None
-    child = int(process.stdout.readline())
+    return process, int(process.stdout.readline())
+
+
+def _terminate(tmp_path: Path, mode: str, sig: int) -> tuple[int, str, int]:
+    process, child = _start(tmp_path, mode)
     process.send_signal(sig)
     out, _ = process.communicate(timeout=60)
     return process.returncode, out, child
@@ -81,13 +84,7 @@ def test_without_the_guard_sigterm_skips_cleanup(tmp_path):
 
 def test_an_ignored_sighup_stays_ignored(tmp_path):
     # Started under nohup: SIGHUP must not end the run; SIGTERM still cleans up.
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    process = subprocess.Popen([sys.executable, str(script), "guarded", "nohup"],
-                               stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert process.stdout is not None
-    child = int(process.stdout.readline())
+    process, child = _start(tmp_path, "guarded", "nohup")
     process.send_signal(signal.SIGHUP)
     with pytest.raises(subprocess.TimeoutExpired):
         process.wait(timeout=2)
