@@ -8,10 +8,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from fedspc_app import simulate
 from fedspc_app.simulate import exit_on_termination
 
 REPO = Path(__file__).resolve().parent.parent
@@ -100,3 +103,101 @@ def test_handlers_are_restored_after_the_block():
     with exit_on_termination():
         assert signal.getsignal(signal.SIGTERM) not in before
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == before
+
+
+# --- flwr_run against a stand-in ``flwr`` console script ----------------------------
+
+FAKE_FLWR = textwrap.dedent("""
+    import os, subprocess, sys, time, tomllib
+    config_path = sys.argv[sys.argv.index("--run-config") + 1]
+    with open(config_path, "rb") as handle:
+        mode = tomllib.load(handle)["mode"]
+    print("config", config_path, flush=True)
+    print("home", os.environ["FLWR_HOME"], os.environ["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"],
+          flush=True)
+    if mode == "exit":
+        sys.exit(3)
+    # like flwr run --stream: a child in the same process group, then wait for the run
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print("pids", os.getpid(), child.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def _fake_flwr(tmp_path: Path) -> Path:
+    script = tmp_path / "flwr"
+    script.write_text(f"#!{sys.executable}\n{FAKE_FLWR}")
+    script.chmod(0o755)
+    return script
+
+
+def _gone(pid: int, within: float = 10.0) -> bool:
+    """True once ``pid`` has exited (a zombie left for an init that never reaps counts)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _pids(log: Path) -> list[int]:
+    for line in log.read_text().splitlines():
+        if line.startswith("pids "):
+            return [int(pid) for pid in line.split()[1:]]
+    raise AssertionError(f"no pids line in {log.read_text()!r}")
+
+
+def test_flwr_run_returns_the_exit_code_logs_output_and_removes_its_config(tmp_path, monkeypatch):
+    monkeypatch.setattr(simulate, "_bin", lambda name: str(_fake_flwr(tmp_path)))
+    superlink = SimpleNamespace(flwr_home=tmp_path / "home")
+    log = tmp_path / "run.log"
+    code = simulate.flwr_run(superlink, {"mode": "exit"}, clients=2, log_file=log)
+    assert code == 3
+    lines = dict(line.split(" ", 1) for line in log.read_text().splitlines())
+    assert lines["home"] == f"{tmp_path / 'home'} 1"  # private FLWR_HOME, no runtime installs
+    assert not Path(lines["config"]).exists()
+
+
+def test_flwr_run_timeout_kills_the_whole_run_group(tmp_path, monkeypatch):
+    monkeypatch.setattr(simulate, "_bin", lambda name: str(_fake_flwr(tmp_path)))
+    log = tmp_path / "run.log"
+    with pytest.raises(TimeoutError, match="exceeded 2 s"):
+        simulate.flwr_run(SimpleNamespace(flwr_home=tmp_path), {"mode": "hang"}, clients=2,
+                          log_file=log, timeout=2)
+    assert all(_gone(pid) for pid in _pids(log))
+
+
+INTERRUPTED = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+    from fedspc_app import simulate
+
+    simulate._bin = lambda name: sys.argv[1]
+    with simulate.exit_on_termination():
+        simulate.flwr_run(SimpleNamespace(flwr_home=Path(sys.argv[2])), {"mode": "hang"},
+                          clients=2, echo=True)
+""")
+
+
+def test_an_interrupted_flwr_run_is_killed_with_its_children(tmp_path):
+    script = tmp_path / "interrupted.py"
+    script.write_text(INTERRUPTED)
+    process = subprocess.Popen([sys.executable, str(script), str(_fake_flwr(tmp_path)),
+                                str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert process.stdout is not None
+    line = ""
+    while not line.startswith("pids "):
+        line = process.stdout.readline()
+        assert line, "the stand-in flwr printed no pids"
+    pids = [int(pid) for pid in line.split()[1:]]
+    process.send_signal(signal.SIGTERM)
+    process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM
+    assert all(_gone(pid) for pid in pids)
