@@ -125,8 +125,9 @@ FAKE_FLWR = textwrap.dedent("""
 
 
 def _fake_flwr(tmp_path: Path) -> Path:
-    script = tmp_path / "flwr"
-    script.write_text(f"#!{sys.executable}\n{FAKE_FLWR}")
+    (tmp_path / "fake_flwr.py").write_text(FAKE_FLWR)
+    script = tmp_path / "flwr"  # a shell wrapper: no limit on the interpreter path's length
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "fake_flwr.py"}" "$@"\n')
     script.chmod(0o755)
     return script
 
