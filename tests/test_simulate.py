@@ -49,12 +49,17 @@ CHILD = textwrap.dedent("""
 
 def _start(tmp_path: Path, mode: str, hup: str = "default") -> tuple[subprocess.Popen, int]:
     """The child script running (``guarded`` or ``bare``) and its detached grandchild's PID."""
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    process = subprocess.Popen([sys.executable, str(script), mode, hup], stdout=subprocess.PIPE,
-                               text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    process = _python(tmp_path, CHILD, mode, hup)
     assert process.stdout is not None
     return process, int(process.stdout.readline())
+
+
+def _python(tmp_path: Path, source: str, *args: str) -> subprocess.Popen:
+    """``source`` run as a script of its own, importing this checkout, stdout piped."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    return subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 def _terminate(tmp_path: Path, mode: str, sig: int) -> tuple[int, str, int]:
@@ -187,11 +192,7 @@ INTERRUPTED = textwrap.dedent("""
 
 
 def test_an_interrupted_flwr_run_is_killed_with_its_children(tmp_path):
-    script = tmp_path / "interrupted.py"
-    script.write_text(INTERRUPTED)
-    process = subprocess.Popen([sys.executable, str(script), str(_fake_flwr(tmp_path)),
-                                str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    process = _python(tmp_path, INTERRUPTED, str(_fake_flwr(tmp_path)), str(tmp_path))
     assert process.stdout is not None
     line = ""
     while not line.startswith("pids "):
