@@ -9,7 +9,7 @@ and partition under that folder::
 
     <state-dir>/run-<run id>/partition-<partition id>.npz
 
-The file is replaced atomically (:func:`fedspc_app.files.atomic_open`) each time
+The file is replaced atomically (:func:`fedspc_app.core.files.atomic_open`) each time
 a round's state is committed, i.e. only after a successful round, and read when
 ``context.state`` is empty (the first message after a restart). Both the run id
 (assigned by the SuperLink) and the partition id (the node's own config) are the
@@ -33,8 +33,8 @@ import numpy as np
 from flwr.app import Context
 
 from clients.state import ClientState
-from fedspc_app.errors import FedSPCError
-from fedspc_app.files import atomic_open
+from fedspc_app.core.errors import FedSPCError
+from fedspc_app.core.files import atomic_open
 
 STATE_DIR_KEY = "state-dir"
 FORMAT_VERSION = 1
@@ -80,9 +80,6 @@ class DurableState:
     def path(self) -> Path:
         """``<state-dir>/run-<run id>/partition-<partition id>.npz``."""
         return self.directory / f"run-{self.run_id}" / f"partition-{self.partition_id}.npz"
-
-    def exists(self) -> bool:
-        return self.path.is_file()
 
     def write(self, state: ClientState) -> None:
         """Replace the file with ``state`` (atomically: a crash leaves the old file)."""

@@ -1,10 +1,10 @@
 """Local training and evaluation of any registered method on one client.
 
-:func:`train_client` executes a :class:`~fedspc_app.methods.Method` description:
+:func:`train_client` executes a :class:`~fedspc_app.core.methods.Method` description:
 it assembles the model from the received shared parameters and the client's own
 personalized ones, runs each phase with the one training loop, adding a
-:class:`~fedspc_app.training.ProximalTerm` where the phase asks for one and a
-:class:`~fedspc_app.training.DriftCorrection` on the shared block when the control
+:class:`~fedspc_app.core.training.ProximalTerm` where the phase asks for one and a
+:class:`~fedspc_app.core.training.DriftCorrection` on the shared block when the control
 variates are on (FedSPC, SCAFFOLD), then computes the new local reference
 (Algorithm 1, step 3). Nothing here touches Flower messages or ``context.state``.
 """
@@ -21,10 +21,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from clients.state import ClientState
-from fedspc_app.config import RunConfig
-from fedspc_app.correction import add, reference_change, shared_update, zeros_like
-from fedspc_app.methods import Method
-from fedspc_app.task import (
+from fedspc_app.core.config import RunConfig
+from fedspc_app.core.correction import add, reference_change, shared_update, zeros_like
+from fedspc_app.core.methods import Method
+from fedspc_app.core.task import (
     ArrayDict,
     ClientData,
     ParameterSplit,
@@ -32,7 +32,7 @@ from fedspc_app.task import (
     seeded_generator,
     state_arrays,
 )
-from fedspc_app.training import (
+from fedspc_app.core.training import (
     DriftCorrection,
     LossFn,
     ProximalTerm,

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from fedspc_app.task import ArrayDict, from_record, to_record
-
-if TYPE_CHECKING:
-    from clients.durable import DurableState
+from fedspc_app.core.task import ArrayDict, from_record, to_record
 
 PERSONAL = "personal"
 LOCAL_REFERENCE = "local-reference"
 PERSONAL_MODEL = "personal-model"
 INFO = "client-info"
+
+
+class StateStore(Protocol):
+    """Where a client's state outlives its process (see :mod:`clients.durable`)."""
+
+    def read(self) -> ClientState | None: ...
+
+    def write(self, state: ClientState) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,7 @@ class ClientState:
     rounds_trained: int = 0
 
     @classmethod
-    def load(cls, records: RecordDict, store: "DurableState | None" = None) -> "ClientState":
+    def load(cls, records: RecordDict, store: StateStore | None = None) -> "ClientState":
         """Read the state from ``context.state`` (empty on a client's first round).
 
         With a durable ``store`` and an empty ``context.state`` (the first message
@@ -66,7 +71,7 @@ class ClientState:
             rounds_trained=int(info.get("rounds-trained", 0)),
         )
 
-    def commit(self, records: RecordDict, store: "DurableState | None" = None) -> None:
+    def commit(self, records: RecordDict, store: StateStore | None = None) -> None:
         """Write the state into ``context.state``; call only after a round succeeded.
 
         With a durable ``store`` its file is replaced first, so that a failed write
@@ -88,6 +93,3 @@ class ClientState:
         for key, record in staged.items():
             records[key] = record
         records[INFO] = ConfigRecord({"rounds-trained": self.rounds_trained})
-
-    def replace(self, **changes) -> "ClientState":
-        return replace(self, **changes)

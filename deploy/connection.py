@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 
 import tomli_w
-import tomllib
 
-from fedspc_app.files import atomic_write
+from fedspc_app.core.files import atomic_write
 
 
 def flwr_home(env: dict[str, str] | None = None) -> Path:

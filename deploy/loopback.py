@@ -39,16 +39,15 @@ from deploy.processes import (
     supernode_process,
     wait_healthy,
 )
-from fedspc_app.config import parse_run_config
-from fedspc_app.simulate import (
+from fedspc_app.core.config import parse_run_config
+from fedspc_app.launch.processes import free_port
+from fedspc_app.launch.runconfig import (
     APP_DIR,
-    SimulationFailed,
     app_defaults,
-    free_port,
     parse_assignments,
     read_toml,
-    submit_and_check,
 )
+from fedspc_app.launch.superlink import SimulationFailed, submit_and_check
 
 CONNECTION = "fedspc-loopback"
 CONNECTED = "SuperNode ID:"  # what a SuperNode logs once the SuperLink accepted it
@@ -275,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         times = round_seconds(output / f"{name}-deployed")
         print(f"deployment: {len(times)} rounds, seconds per round {times}")
         if args.compare_simulation:
-            from fedspc_app.simulate import run_simulation, simulation
+            from fedspc_app.launch.superlink import run_simulation, simulation
 
             simulated = {**run_config, "output-dir": str(output), "run-name": f"{name}-simulated",
                          "num-clients": args.nodes}

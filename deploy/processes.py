@@ -20,7 +20,9 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from fedspc_app.simulate import _bin, free_port, simulation_env
+from fedspc_app.launch.processes import console_script as _bin
+from fedspc_app.launch.processes import free_port
+from fedspc_app.launch.superlink import simulation_env
 
 DEPLOY_DIR = Path(__file__).resolve().parent
 

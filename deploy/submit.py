@@ -28,11 +28,11 @@ from typing import Any
 
 import tomli_w
 
-from fedspc_app.config import parse_run_config
-from fedspc_app.errors import FedSPCError
-from fedspc_app.simulate import (
+from fedspc_app.core.config import parse_run_config
+from fedspc_app.core.errors import FedSPCError
+from fedspc_app.launch.processes import console_script as _bin
+from fedspc_app.launch.runconfig import (
     APP_DIR,
-    _bin,
     app_defaults,
     parse_assignments,
     read_toml,

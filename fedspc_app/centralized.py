@@ -4,8 +4,8 @@ The paper (Section 5) reports a centralized model trained on the union of all
 client data for 200 epochs with learning rate 0.1. Every training image belongs to
 exactly one client under the Dirichlet partition, so that union is the whole
 training set. The dataset, model, augmentation, batch size and device are built
-exactly as for the federated runs (:mod:`fedspc_app.task`), training is
-:func:`fedspc_app.training.train_epochs` with SGD, and top-1 accuracy is measured
+exactly as for the federated runs (:mod:`fedspc_app.core.task`), training is
+:func:`fedspc_app.core.training.train_epochs` with SGD, and top-1 accuracy is measured
 on the official test set::
 
     python -m fedspc_app.centralized --run-config conf/cifar100-resnet34.toml \\
@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from fedspc_app.config import RunConfig, parse_run_config
-from fedspc_app.errors import ConfigError, FedSPCError
-from fedspc_app.files import atomic_write
-from fedspc_app.results import format_duration
+from fedspc_app.core.config import RunConfig, parse_run_config
+from fedspc_app.core.errors import ConfigError, FedSPCError
+from fedspc_app.core.files import atomic_write
+from fedspc_app.core.results import format_duration
 
 CSV_COLUMNS = ("epoch", "accuracy", "loss", "train-loss", "learning-rate", "train-images",
                "epoch-seconds", "elapsed-seconds")
@@ -106,15 +106,15 @@ def train_centralized(config: RunConfig, *, epochs: int = 200, learning_rate: fl
                           f"got {epochs}, {eval_every}, {learning_rate}")
     epoch_learning_rate(learning_rate, 1, epochs, lr_schedule)  # checks the name
     # torch is imported only now, so that bad options fail fast.
-    from fedspc_app.data import iterate_batches
-    from fedspc_app.task import (
+    from fedspc_app.core.batching import iterate_batches
+    from fedspc_app.core.task import (
         load_run_dataset,
         make_model,
         resolve_device,
         seeded_generator,
         use_augmentation,
     )
-    from fedspc_app.training import evaluate_model, train_epochs
+    from fedspc_app.core.training import evaluate_model, train_epochs
     config = config.replace(learning_rate=learning_rate)
     dataset = load_run_dataset(config)
     device = resolve_device(config)
@@ -197,7 +197,7 @@ def train_centralized(config: RunConfig, *, epochs: int = 200, learning_rate: fl
 def build_config(run_config: Mapping[str, Any], *, run_name: str | None = None,
                  output_dir: str | None = None) -> RunConfig:
     """The app defaults, then ``run_config``, validated; default run-name filled in."""
-    from fedspc_app.simulate import app_defaults
+    from fedspc_app.launch.runconfig import app_defaults
 
     merged = {**app_defaults(), **run_config}
     if output_dir:
@@ -211,7 +211,7 @@ def build_config(run_config: Mapping[str, Any], *, run_name: str | None = None,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from fedspc_app.simulate import parse_assignments, read_toml
+    from fedspc_app.launch.runconfig import parse_assignments, read_toml
 
     parser = argparse.ArgumentParser(prog="python -m fedspc_app.centralized",
                                      description=__doc__.split("\n\n")[0])

@@ -13,10 +13,10 @@ from clients import ClientState, evaluate_client, train_client
 from clients.durable import DurableState
 from clients.local import uses_control_variates
 from clients.state import INFO as STATE_INFO
-from fedspc_app.config import RunConfig, parse_run_config
-from fedspc_app.errors import ConfigError
-from fedspc_app.methods import Method, get_method
-from fedspc_app.task import (
+from fedspc_app.core.config import RunConfig, parse_run_config
+from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.methods import Method, get_method
+from fedspc_app.core.task import (
     ClientData,
     ParameterSplit,
     client_data,

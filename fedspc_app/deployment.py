@@ -18,10 +18,15 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedspc_app.client_app import PARTITION_QUERY
-from fedspc_app.config import RunConfig
-from fedspc_app.data import ImageDataset
-from fedspc_app.errors import FedSPCError
-from fedspc_app.task import KNOWN_SHAPES, DatasetShape, dataset_shape, load_run_dataset
+from fedspc_app.core.config import RunConfig
+from fedspc_app.core.datasets import ImageDataset
+from fedspc_app.core.errors import FedSPCError
+from fedspc_app.core.task import (
+    KNOWN_SHAPES,
+    DatasetShape,
+    dataset_shape,
+    load_run_dataset,
+)
 from strategies.personalized import METRICS
 
 try:  # the Grid Flower's deployment engine hands the ServerApp (not a public name)
@@ -75,7 +80,7 @@ def preflight(grid: Grid, config: RunConfig, num_clients: int, shape: DatasetSha
     Returns
     -------
     dict
-        Like :meth:`fedspc_app.partition.Partition.to_dict`, from the replies.
+        Like :meth:`fedspc_app.core.partition.Partition.to_dict`, from the replies.
     """
     node_ids = sorted(grid.get_node_ids())
     messages = [

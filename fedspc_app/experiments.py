@@ -23,7 +23,7 @@ Layers are merged in this order, later ones winning: the app's defaults
 bundle's ``preset``, then its keys), then ``--set``. Every cell runs in
 ``<output-dir>/<grid name>/<run-name>``, with a run-name built from its axis values
 (``fedrep+fedspc-a0.1-C-R34``). Every cell is validated with
-:func:`fedspc_app.config.parse_run_config` before anything runs. Relative
+:func:`fedspc_app.core.config.parse_run_config` before anything runs. Relative
 ``data-dir`` and ``output-dir`` values are resolved against the working directory,
 preset paths against the grid file's folder, then the repository root.
 
@@ -62,21 +62,19 @@ from typing import Any
 import tomli_w
 import yaml
 
-from fedspc_app.config import parse_run_config
-from fedspc_app.errors import ConfigError, FedSPCError
-from fedspc_app.files import atomic_write
-from fedspc_app.results import format_duration
-from fedspc_app.simulate import (
+from fedspc_app.core.config import parse_run_config
+from fedspc_app.core.errors import ConfigError, FedSPCError
+from fedspc_app.core.files import atomic_write
+from fedspc_app.core.results import format_duration
+from fedspc_app.launch.processes import exit_on_termination
+from fedspc_app.launch.runconfig import (
     APP_DIR,
-    LocalSuperLink,
-    SimulationFailed,
     absolute_paths,
     app_defaults,
-    exit_on_termination,
     parse_assignments,
     read_toml,
-    run_simulation,
 )
+from fedspc_app.launch.superlink import LocalSuperLink, SimulationFailed, run_simulation
 
 GRID_KEYS = ("name", "description", "base", "axes", "exclude", "simulation", "centralized")
 SIMULATION_KEYS = ("clients", "client-cpus", "client-gpus", "timeout")

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedspc_app.errors import DataError
-from fedspc_app.files import atomic_write
-from fedspc_app.results import format_duration
+from fedspc_app.core.errors import DataError
+from fedspc_app.core.files import atomic_write
+from fedspc_app.core.results import format_duration
 
 MISSING = "—"
 METHOD_NAMES = {
@@ -639,9 +639,9 @@ def plot_partition_panels(records: Sequence[ResultRecord], out_dir: str | Path) 
     """The partitions of each dataset, one panel per α (the paper's Figures 3-4).
 
     For each α the cell with the smallest seed that wrote a ``partition.json`` is
-    drawn with :func:`fedspc_app.partition.plot_partitions`.
+    drawn with :func:`fedspc_app.core.partition.plot_partitions`.
     """
-    from fedspc_app.partition import load_partition_counts, plot_partitions
+    from fedspc_app.core.partition import load_partition_counts, plot_partitions
 
     written = []
     for dataset in _unique(r.dataset for r in records if r.kind == FEDERATED):

@@ -15,13 +15,12 @@ from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
-from fedspc_app.config import RunConfig, parse_run_config
-from fedspc_app.deployment import is_deployment, preflight, server_dataset
-from fedspc_app.errors import ConfigError, FedSPCError
-from fedspc_app.methods import Method, get_method
-from fedspc_app.partition import save_partition
-from fedspc_app.results import RunRecorder, TrafficGrid
-from fedspc_app.task import (
+from fedspc_app.core.config import RunConfig, parse_run_config
+from fedspc_app.core.errors import ConfigError, FedSPCError
+from fedspc_app.core.methods import Method, get_method
+from fedspc_app.core.partition import save_partition
+from fedspc_app.core.results import RunRecorder, TrafficGrid
+from fedspc_app.core.task import (
     ParameterSplit,
     load_partition,
     make_model,
@@ -29,6 +28,7 @@ from fedspc_app.task import (
     state_arrays,
     to_record,
 )
+from fedspc_app.deployment import is_deployment, preflight, server_dataset
 from strategies import FedSPC, PersonalizedFedAvg
 
 app = ServerApp()

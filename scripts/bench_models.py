@@ -22,7 +22,7 @@ from torch import nn
 # Run as a plain script from a checkout, without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedspc_app.models import MODEL_NAMES, build_model  # noqa: E402
+from fedspc_app.core.models import MODEL_NAMES, build_model  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -46,7 +46,7 @@ def bench_model(
     Parameters
     ----------
     name : str
-        Model name, one of :data:`fedspc_app.models.MODEL_NAMES`.
+        Model name, one of :data:`fedspc_app.core.models.MODEL_NAMES`.
     device : torch.device
         Where to run.
     steps, warmup : int

@@ -20,12 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fedspc_app.simulate import (  # noqa: E402
-    parse_assignments,
-    read_toml,
-    run_simulation,
-    simulation,
-)
+from fedspc_app.launch.runconfig import parse_assignments, read_toml  # noqa: E402
+from fedspc_app.launch.superlink import run_simulation, simulation  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

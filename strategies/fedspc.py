@@ -11,7 +11,7 @@ The reference change of client k is ``-u_bar^t - Delta theta_k / (E_k eta)``, a
 deterministic function of what the server already has. By default
 (``upload="derived"``) clients upload only their shared parameters and the number
 of shared steps E_k, and the server derives the change with the same function the
-client uses (:mod:`fedspc_app.correction`), so FedSPC costs no extra upload bytes;
+client uses (:mod:`fedspc_app.core.correction`), so FedSPC costs no extra upload bytes;
 ``upload="explicit"`` makes clients also send the change, as the paper describes.
 Both give identical parameters.
 
@@ -29,8 +29,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
-from fedspc_app.correction import reference_change, shared_update
-from fedspc_app.task import ArrayDict, from_record, to_record
+from fedspc_app.core.correction import reference_change, shared_update
+from fedspc_app.core.task import ArrayDict, from_record, to_record
 from strategies.personalized import ARRAYS, METRICS, PersonalizedFedAvg
 
 GLOBAL_REFERENCE = "global-reference"

@@ -19,8 +19,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
-from fedspc_app.errors import FedSPCError
-from fedspc_app.task import ArrayDict, from_record, to_record
+from fedspc_app.core.errors import FedSPCError
+from fedspc_app.core.task import ArrayDict, from_record, to_record
 
 ARRAYS = "arrays"
 METRICS = "metrics"

@@ -19,9 +19,9 @@ from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 
 from clients import ClientState, train_client
-from fedspc_app.config import RunConfig
-from fedspc_app.methods import get_method
-from fedspc_app.task import parameter_split, to_record
+from fedspc_app.core.config import RunConfig
+from fedspc_app.core.methods import get_method
+from fedspc_app.core.task import parameter_split, to_record
 from strategies import FedSPC, PersonalizedFedAvg
 
 ETA = 0.1

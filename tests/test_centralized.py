@@ -10,8 +10,8 @@ import pytest
 
 from fedspc_app import experiments
 from fedspc_app.centralized import epoch_learning_rate, main
-from fedspc_app.errors import ConfigError
-from fedspc_app.simulate import SimulationFailed
+from fedspc_app.core.errors import ConfigError
+from fedspc_app.launch.superlink import SimulationFailed
 
 
 def test_learning_rate_schedules():

@@ -1,17 +1,17 @@
-"""Tests of the run-config parser and validator (fedspc_app.config)."""
+"""Tests of the run-config parser and validator (fedspc_app.core.config)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
-from fedspc_app.config import RunConfig, parse_run_config, validate
-from fedspc_app.errors import ConfigError
-from fedspc_app.methods import METHODS
+from fedspc_app.core.config import RunConfig, parse_run_config, validate
+from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.methods import METHODS
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 

@@ -1,4 +1,4 @@
-"""Tests for fedspc_app.data: loaders on small generated folders, batching, augmentation.
+"""Tests for fedspc_app.core.datasets and fedspc_app.core.batching: loaders on small generated folders, batching, augmentation.
 
 No test touches the network or the real datasets under /work/shared.
 """
@@ -17,17 +17,15 @@ import torchvision.datasets
 from sklearn.datasets import load_digits
 from torchvision.io import write_jpeg
 
-from fedspc_app import data
-from fedspc_app.data import (
+from fedspc_app.core import datasets as data
+from fedspc_app.core.batching import iterate_batches, random_crop_flip
+from fedspc_app.core.datasets import (
     DATASET_NAMES,
     ImageDataset,
     clear_cache,
-    iterate_batches,
     load_dataset,
-    num_batches,
-    random_crop_flip,
 )
-from fedspc_app.errors import ConfigError, DataError
+from fedspc_app.core.errors import ConfigError, DataError
 
 # The fixtures write JPEGs with torchvision.io, which torchvision 0.29 marks deprecated.
 pytestmark = pytest.mark.filterwarnings(
@@ -505,14 +503,6 @@ def test_image_dataset_validates_its_tensors() -> None:
 # --------------------------------------------------------------------------------------
 
 
-def test_num_batches() -> None:
-    assert [num_batches(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
-    with pytest.raises(ConfigError):
-        num_batches(3, 0)
-    with pytest.raises(ConfigError):
-        num_batches(-1, 2)
-
-
 def test_iterate_batches_covers_each_index_once_and_keeps_last_batch() -> None:
     ds = _toy_dataset()
     indices = np.array([0, 2, 3, 5, 7, 8, 11, 12, 13, 17, 19, 22])
@@ -520,7 +510,7 @@ def test_iterate_batches_covers_each_index_once_and_keeps_last_batch() -> None:
     batches = list(iterate_batches(ds, "train", indices, batch_size=5, shuffle=True,
                                    augment=False, generator=gen, device="cpu"))
     assert [len(y) for _, y in batches] == [5, 5, 2]
-    assert len(batches) == num_batches(len(indices), 5)
+    assert len(batches) == -(-len(indices) // 5)
     seen = torch.cat([_pixel_index(x, ds) for x, _ in batches])
     assert sorted(seen.tolist()) == indices.tolist()
     assert seen.tolist() != indices.tolist()  # actually shuffled

@@ -45,17 +45,17 @@ from deploy.processes import (
 from fedspc_app import client_app, server_app
 from fedspc_app import deployment as deployment_module
 from fedspc_app.client_app import node_run_config
-from fedspc_app.config import DATASETS, parse_run_config
-from fedspc_app.data import load_dataset
-from fedspc_app.methods import get_method
-from fedspc_app.simulate import LocalSuperLink, run_simulation
-from fedspc_app.task import (
+from fedspc_app.core.config import DATASETS, parse_run_config
+from fedspc_app.core.datasets import load_dataset
+from fedspc_app.core.methods import get_method
+from fedspc_app.core.task import (
     KNOWN_SHAPES,
     dataset_shape,
     load_partition,
     make_model,
     parameter_split,
 )
+from fedspc_app.launch.superlink import LocalSuperLink, run_simulation
 
 
 # ============================================================== in-process: server side
@@ -322,7 +322,7 @@ def test_start_superlink_script_enables_tls_and_node_auth(tmp_path):
 
 def test_submit_merges_a_preset_and_overrides_and_requires_num_clients(tmp_path):
     from deploy.submit import build_run_config
-    from fedspc_app.errors import FedSPCError
+    from fedspc_app.core.errors import FedSPCError
 
     preset = tmp_path / "preset.toml"
     preset.write_text('method = "fedper"\nnum-rounds = 7\n')

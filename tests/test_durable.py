@@ -27,10 +27,10 @@ from clients import ClientState
 from clients.durable import DurableState, DurableStateError
 from clients.state import INFO, LOCAL_REFERENCE, PERSONAL
 from fedspc_app import client_app
-from fedspc_app.config import parse_run_config
-from fedspc_app.data import load_dataset
-from fedspc_app.methods import get_method
-from fedspc_app.task import (
+from fedspc_app.core.config import parse_run_config
+from fedspc_app.core.datasets import load_dataset
+from fedspc_app.core.methods import get_method
+from fedspc_app.core.task import (
     from_record,
     make_model,
     parameter_split,
@@ -83,10 +83,10 @@ def test_store_is_named_by_state_dir_run_and_partition(tmp_path):
 
 def test_write_then_read_gives_the_same_state_with_dtypes_and_0d_arrays(tmp_path):
     store = DurableState(tmp_path, run_id=1, partition_id=0)
-    assert store.read() is None and not store.exists()
+    assert store.read() is None and not store.path.exists()
     state = sample_state()
     store.write(state)
-    assert store.exists()
+    assert store.path.is_file()
     assert_same_state(store.read(), state)
     # A later round replaces the file.
     store.write(sample_state(4))

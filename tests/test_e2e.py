@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from fedspc_app.simulate import LocalSuperLink, flwr_run, run_simulation
+from fedspc_app.launch.superlink import LocalSuperLink, flwr_run, run_simulation
 
 pytestmark = pytest.mark.e2e
 

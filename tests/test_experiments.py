@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from fedspc_app import experiments
-from fedspc_app.errors import ConfigError
+from fedspc_app.core.errors import ConfigError
 from fedspc_app.experiments import (
     Cell,
     expand_grid,
@@ -22,7 +22,7 @@ from fedspc_app.experiments import (
     parse_only,
     run_grid,
 )
-from fedspc_app.simulate import SimulationFailed
+from fedspc_app.launch.superlink import SimulationFailed
 
 REPO = Path(__file__).resolve().parents[1]
 

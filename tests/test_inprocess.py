@@ -18,10 +18,10 @@ from flwr.app import Context, MessageType, RecordDict
 from inprocess import InProcessGrid
 
 from fedspc_app import client_app, server_app
-from fedspc_app.config import parse_run_config
-from fedspc_app.data import load_dataset
-from fedspc_app.methods import METHODS, get_method
-from fedspc_app.task import from_record, make_model, parameter_split
+from fedspc_app.core.config import parse_run_config
+from fedspc_app.core.datasets import load_dataset
+from fedspc_app.core.methods import METHODS, get_method
+from fedspc_app.core.task import from_record, make_model, parameter_split
 
 NUM_CLIENTS = 3
 OUTPUT = Path(tempfile.mkdtemp(prefix="fedspc-inprocess-"))

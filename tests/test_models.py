@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedspc_app.errors import ConfigError
-from fedspc_app.models import MODEL_NAMES, build_model, split_body_head
+from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.models import MODEL_NAMES, build_model, split_body_head
 
 NUM_CLASSES = 7
 # ViT at the paper's width (768) is slow on a CPU; its architecture is otherwise identical.

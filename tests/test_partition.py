@@ -1,4 +1,4 @@
-"""Tests of the FedSPC paper's Dirichlet label-skew partition (fedspc_app.partition)."""
+"""Tests of the FedSPC paper's Dirichlet label-skew partition (fedspc_app.core.partition)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedspc_app.errors import ConfigError, DataError
-from fedspc_app.partition import (
+from fedspc_app.core.errors import ConfigError, DataError
+from fedspc_app.core.partition import (
     Partition,
     dirichlet_partition,
     load_partition_counts,

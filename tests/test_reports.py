@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fedspc_app import experiments, reports
-from fedspc_app.partition import dirichlet_partition, save_partition
+from fedspc_app.core.partition import dirichlet_partition, save_partition
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

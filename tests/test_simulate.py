@@ -1,4 +1,4 @@
-"""Process hygiene of the simulation helpers (fedspc_app.simulate)."""
+"""Process hygiene of the launch helpers (fedspc_app.launch)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from fedspc_app import simulate
-from fedspc_app.simulate import exit_on_termination
+from fedspc_app.launch import superlink as simulate
+from fedspc_app.launch.processes import exit_on_termination
 
 REPO = Path(__file__).resolve().parent.parent
 
 CHILD = textwrap.dedent("""
     import signal, subprocess, sys, time
-    from fedspc_app.simulate import exit_on_termination
+    from fedspc_app.launch.processes import exit_on_termination
 
     # the dispositions a plain shell gives, whatever this test was started with
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -159,7 +159,7 @@ def _pids(log: Path) -> list[int]:
 
 
 def test_flwr_run_returns_the_exit_code_logs_output_and_removes_its_config(tmp_path, monkeypatch):
-    monkeypatch.setattr(simulate, "_bin", lambda name: str(_fake_flwr(tmp_path)))
+    monkeypatch.setattr(simulate, "console_script", lambda name: str(_fake_flwr(tmp_path)))
     superlink = SimpleNamespace(flwr_home=tmp_path / "home")
     log = tmp_path / "run.log"
     code = simulate.flwr_run(superlink, {"mode": "exit"}, clients=2, log_file=log)
@@ -170,7 +170,7 @@ def test_flwr_run_returns_the_exit_code_logs_output_and_removes_its_config(tmp_p
 
 
 def test_flwr_run_timeout_kills_the_whole_run_group(tmp_path, monkeypatch):
-    monkeypatch.setattr(simulate, "_bin", lambda name: str(_fake_flwr(tmp_path)))
+    monkeypatch.setattr(simulate, "console_script", lambda name: str(_fake_flwr(tmp_path)))
     log = tmp_path / "run.log"
     with pytest.raises(TimeoutError, match="exceeded 2 s"):
         simulate.flwr_run(SimpleNamespace(flwr_home=tmp_path), {"mode": "hang"}, clients=2,
@@ -182,9 +182,9 @@ INTERRUPTED = textwrap.dedent("""
     import sys
     from pathlib import Path
     from types import SimpleNamespace
-    from fedspc_app import simulate
+    from fedspc_app.launch import superlink as simulate
 
-    simulate._bin = lambda name: sys.argv[1]
+    simulate.console_script = lambda name: sys.argv[1]
     with simulate.exit_on_termination():
         simulate.flwr_run(SimpleNamespace(flwr_home=Path(sys.argv[2])), {"mode": "hang"},
                           clients=2, echo=True)

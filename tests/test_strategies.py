@@ -22,7 +22,7 @@ from flwr.app import (
 )
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedspc_app.correction import reference_change, shared_update
+from fedspc_app.core.correction import reference_change, shared_update
 from strategies import FedSPC, NoValidReplies, PersonalizedFedAvg, mean_arrays
 
 W = "body.weight"

@@ -37,7 +37,8 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from fedspc_app.errors import ConfigError
+from fedspc_app.core.config import MODELS
+from fedspc_app.core.errors import ConfigError
 
 __all__ = [
     "MODEL_NAMES",
@@ -47,7 +48,7 @@ __all__ = [
     "split_body_head",
 ]
 
-MODEL_NAMES: tuple[str, ...] = ("cnn", "resnet34", "vgg11", "vit")
+MODEL_NAMES: tuple[str, ...] = MODELS  # one list, in the run-config module
 
 VGG11_CFG: tuple[int | str, ...] = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from fedspc_app.errors import ConfigError
+from fedspc_app.core.errors import ConfigError
 
 DATASETS = ("digits", "cifar10", "cifar100", "tinyimagenet")
 MODELS = ("cnn", "resnet34", "vgg11", "vit")
@@ -25,6 +26,18 @@ AUGMENTS = ("auto", "none", "crop-flip")
 DEVICES = ("auto", "cpu", "cuda")
 REFERENCE_UPLOADS = ("derived", "explicit")
 FINETUNE_PARTS = ("all", "head")
+CACHE_DIR_ENV = "FEDSPC_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    """Folder for derived caches: ``$FEDSPC_CACHE_DIR``, or ``~/.cache/fedspc``."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "fedspc"
+
+
+def default_data_dir() -> Path:
+    """Where datasets are looked for when ``data-dir`` is empty: ``<cache dir>/data``."""
+    return default_cache_dir() / "data"
 
 
 def _key(name: str) -> str:
@@ -108,10 +121,10 @@ class RunConfig:
 
     @property
     def resolved_data_dir(self) -> Path:
-        """``data-dir``, or ``~/.cache/fedspc/data`` when empty."""
+        """``data-dir``, or :func:`default_data_dir` when empty."""
         if self.data_dir:
             return Path(self.data_dir).expanduser().resolve()
-        return (Path.home() / ".cache" / "fedspc" / "data").resolve()
+        return default_data_dir().resolve()
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as kebab-case keys (for results and logs)."""
@@ -180,7 +193,7 @@ def _at_least(key: str, value: float, low: float, *, strict: bool = False) -> No
 
 def validate(config: RunConfig) -> RunConfig:
     """Check ranges and names; return the config unchanged or raise ConfigError."""
-    from fedspc_app.methods import METHODS  # the registry imports this module
+    from fedspc_app.core.methods import METHODS  # the registry imports this module
 
     _choice("dataset", config.dataset, DATASETS)
     _choice("model", config.model, MODELS)

@@ -29,8 +29,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedspc_app.errors import ConfigError, DataError
-from fedspc_app.files import atomic_write
+from fedspc_app.core.errors import ConfigError, DataError
+from fedspc_app.core.files import atomic_write
 
 __all__ = [
     "Partition",
@@ -688,7 +688,7 @@ def plot_partitions(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fedspc_app.partition RUN_DIR... [-o PNG]``: draw saved partitions.
+    """``python -m fedspc_app.core.partition RUN_DIR... [-o PNG]``: draw saved partitions.
 
     One run folder (or partition.json) gives one heatmap; several give side-by-side
     panels titled by their alpha, like the paper's Figures 3 and 4.

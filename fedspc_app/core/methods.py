@@ -4,7 +4,7 @@ A method says which block of the model is shared with the server (the rest is
 personalized and never leaves the client), which phases of local training it runs
 (which block each phase updates, for how many epochs, on which model, with which
 proximal term), and which model is evaluated. The client executes the description
-with the one training loop in :mod:`fedspc_app.training`; the server aggregates the
+with the one training loop in :mod:`fedspc_app.core.training`; the server aggregates the
 shared block. FedSPC (``fedspc = true``) adds the control-variate correction to the
 shared block of any method; SCAFFOLD is FedAvg with that correction always on.
 
@@ -31,7 +31,7 @@ class Phase:
     train : {"all", "body", "head"}
         Which block's parameters this phase updates; the rest is frozen.
     epochs : str
-        Name of the :class:`~fedspc_app.config.RunConfig` field giving the number
+        Name of the :class:`~fedspc_app.core.config.RunConfig` field giving the number
         of local epochs (e.g. ``"local_epochs"``).
     model : {"shared", "personal"}
         ``"shared"`` trains the model built from the received shared parameters
@@ -98,7 +98,7 @@ def register(method: Method) -> Method:
 
 def get_method(name: str) -> Method:
     """The registered method called ``name``."""
-    from fedspc_app.errors import ConfigError
+    from fedspc_app.core.errors import ConfigError
 
     try:
         return METHODS[name]

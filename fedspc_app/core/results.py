@@ -26,8 +26,8 @@ from typing import Any
 from flwr.app import Message, MetricRecord
 from flwr.serverapp import Grid
 
-from fedspc_app.config import RunConfig
-from fedspc_app.files import atomic_write
+from fedspc_app.core.config import RunConfig
+from fedspc_app.core.files import atomic_write
 
 SCALAR_COLUMNS = (
     "round", "accuracy", "weighted-accuracy", "loss", "train-loss", "clients",

@@ -18,12 +18,13 @@ import torch
 from flwr.app import Array, ArrayRecord
 from torch import nn
 
-from fedspc_app.config import RunConfig
-from fedspc_app.data import ImageDataset, iterate_batches, load_dataset
-from fedspc_app.errors import ConfigError
-from fedspc_app.methods import Block, Method
-from fedspc_app.models import build_model, split_body_head
-from fedspc_app.partition import Partition, dirichlet_partition
+from fedspc_app.core.batching import iterate_batches
+from fedspc_app.core.config import RunConfig
+from fedspc_app.core.datasets import ImageDataset, load_dataset
+from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.methods import Block, Method
+from fedspc_app.core.models import build_model, split_body_head
+from fedspc_app.core.partition import Partition, dirichlet_partition
 
 ArrayDict = dict[str, np.ndarray]
 
@@ -124,7 +125,7 @@ class DatasetShape:
     image_size: int
 
 
-# The shapes :mod:`fedspc_app.data` loads each dataset with, for a server that does not
+# The shapes :mod:`fedspc_app.core.datasets` loads each dataset with, for a server that does not
 # hold the data (a deployment's SuperLink machine).
 KNOWN_SHAPES: dict[str, DatasetShape] = {
     "digits": DatasetShape("digits", num_classes=10, in_chans=1, image_size=32),
