@@ -1,28 +1,25 @@
-"""Node-local durable client state for deployments.
+"""Client state kept in files, so that it outlives the client's process.
 
-In Flower's deployment engine a SuperNode keeps ``context.state`` in its memory
-only: when the SuperNode process restarts, a client would silently start again
-from the common initial personalized parameters and ``u_k = 0``. With the
-node-config key ``state-dir`` (``flower-supernode --node-config "... state-dir='/var/lib/fedspc'"``)
-the client also keeps its :class:`~clients.state.ClientState` in one file per run
-and partition under that folder::
+Used in two cases. In a deployment, the node-config key ``state-dir``
+(``flower-supernode --node-config "... state-dir='/var/lib/fedspc'"``) keeps each
+client's state under ``<state-dir>/<run-name>/``, so a restarted SuperNode, or a
+resumed run, continues where it was. In simulation with ``checkpoint = true`` the
+clients keep it under the run folder, ``<run folder>/client-state/``, so a killed
+simulation can be resumed.
 
-    <state-dir>/run-<run id>/partition-<partition id>.npz
-
-The file is replaced atomically (:func:`fedspc_app.core.files.atomic_open`) each time
-a round's state is committed, i.e. only after a successful round, and read when
-``context.state`` is empty (the first message after a restart). Both the run id
-(assigned by the SuperLink) and the partition id (the node's own config) are the
-same before and after a SuperNode restart, so the file is found again.
-
-The file is a plain ``numpy`` ``.npz``: ``meta`` (JSON text: format, run id,
-partition id, rounds trained) and one array per state-dict entry, named
-``personal/<key>``, ``local-reference/<key>`` or ``personal-model/<key>``.
+Each partition has a committed file ``partition-<id>.npz`` and, between local
+training and the server's decision, a pending one ``partition-<id>.pending.npz``;
+committing renames the pending file over the committed one. Files are written
+atomically (:func:`fedspc_app.core.files.atomic_open`). A file is a plain ``.npz``:
+``meta`` (JSON: format, run name, partition id, round, rounds trained) and one array
+per state-dict entry, named ``personal/<key>``, ``local-reference/<key>`` or
+``personal-model/<key>``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 import zipfile
 from collections.abc import Mapping
@@ -30,19 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from flwr.app import Context
 
-from clients.state import ClientState
+from clients.state import BLOCKS, COMMITTED, PENDING, ClientState
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.files import atomic_open
 
 STATE_DIR_KEY = "state-dir"
-FORMAT_VERSION = 1
-_BLOCKS = {
-    "personal": "personal",
-    "local-reference": "local_reference",
-    "personal-model": "personal_model",
-}
+FORMAT_VERSION = 2
+SIMULATION_FOLDER = "client-state"
 
 
 class DurableStateError(FedSPCError, RuntimeError):
@@ -51,56 +43,84 @@ class DurableStateError(FedSPCError, RuntimeError):
 
 @dataclass(frozen=True)
 class DurableState:
-    """One client's state file.
-
-    Attributes
-    ----------
-    directory : Path
-        The node's ``state-dir``.
-    run_id : int
-        The Flower run the state belongs to.
-    partition_id : int
-        The node's data partition.
-    """
+    """One client's state files in ``directory`` (one folder per run)."""
 
     directory: Path
-    run_id: int
+    run_name: str
     partition_id: int
+    run_token: str = ""
 
     @classmethod
-    def from_context(cls, context: Context) -> DurableState | None:
-        """The store named by the node-config ``state-dir``, or ``None`` without one."""
-        directory = str(context.node_config.get(STATE_DIR_KEY, "") or "")
-        if not directory:
+    def for_node(cls, node_config: Mapping, run_dir: Path, run_name: str,
+                 partition_id: int, *, deployment: bool, checkpoint: bool,
+                 run_token: str = "") -> DurableState | None:
+        """The store this client uses, or ``None`` when its state lives in memory."""
+        state_dir = str(node_config.get(STATE_DIR_KEY, "") or "")
+        if state_dir:
+            directory = Path(state_dir).expanduser() / run_name
+        elif checkpoint and not deployment:
+            directory = run_dir / SIMULATION_FOLDER
+        else:
             return None
-        return cls(Path(directory).expanduser(), int(context.run_id),
-                   int(context.node_config["partition-id"]))
+        return cls(directory, run_name, partition_id, run_token)
 
-    @property
-    def path(self) -> Path:
-        """``<state-dir>/run-<run id>/partition-<partition id>.npz``."""
-        return self.directory / f"run-{self.run_id}" / f"partition-{self.partition_id}.npz"
+    def path(self, slot: str = COMMITTED) -> Path:
+        suffix = ".pending.npz" if slot == PENDING else ".npz"
+        return self.directory / f"partition-{self.partition_id}{suffix}"
 
-    def write(self, state: ClientState) -> None:
-        """Replace the file with ``state`` (atomically: a crash leaves the old file)."""
+    def write(self, state: ClientState, slot: str = COMMITTED) -> None:
+        """Replace the slot's file with ``state`` (atomically: a crash leaves the old file)."""
         meta = {
             "format": FORMAT_VERSION,
-            "run-id": self.run_id,
+            "run-name": self.run_name,
             "partition-id": self.partition_id,
+            "run-token": self.run_token,
+            "round": int(state.round),
             "rounds-trained": int(state.rounds_trained),
             "written-at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         arrays: dict[str, np.ndarray] = {"meta": np.array(json.dumps(meta))}
-        for prefix, field in _BLOCKS.items():
+        for prefix, field in BLOCKS.items():
             block: Mapping[str, np.ndarray] | None = getattr(state, field)
             if block is not None:
                 arrays.update({f"{prefix}/{key}": np.asarray(value)
                                for key, value in block.items()})
-        with atomic_open(self.path) as handle:
+        with atomic_open(self.path(slot)) as handle:
             np.savez(handle, **arrays)
 
-    def read(self) -> ClientState | None:
-        """The saved state, or ``None`` when there is no file yet.
+    def commit(self) -> None:
+        """Make the pending state the committed one (an atomic rename)."""
+        pending = self.path(PENDING)
+        if pending.is_file():
+            os.replace(pending, self.path(COMMITTED))
+
+    def discard(self) -> None:
+        self.path(PENDING).unlink(missing_ok=True)
+
+    def claim(self) -> bool:
+        """Remove (and return True for) files that an earlier run with the same run
+        name left in this folder: they carry another run token."""
+        stale = False
+        for slot in (COMMITTED, PENDING):
+            meta = self._meta(slot)
+            if meta is not None and meta.get("run-token") != self.run_token:
+                self.path(slot).unlink(missing_ok=True)
+                stale = True
+        return stale
+
+    def _meta(self, slot: str) -> dict | None:
+        path = self.path(slot)
+        if not path.is_file():
+            return None
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                return json.loads(str(data["meta"][()]))
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as error:
+            raise DurableStateError(f"cannot read the saved client state {path}: {error}. "
+                                    "Move the file away to restart this client") from error
+
+    def read(self, slot: str = COMMITTED) -> ClientState | None:
+        """The state saved in ``slot``, or ``None`` when there is no file.
 
         Raises
         ------
@@ -108,7 +128,7 @@ class DurableState:
             If the file cannot be read or belongs to another run or partition:
             starting over silently is what this store exists to prevent.
         """
-        path = self.path
+        path = self.path(slot)
         if not path.is_file():
             return None
         try:
@@ -119,7 +139,7 @@ class DurableState:
                     if name == "meta":
                         continue
                     prefix, _, key = name.partition("/")
-                    if prefix not in _BLOCKS or not key:
+                    if prefix not in BLOCKS or not key:
                         raise ValueError(f"unexpected entry {name!r}")
                     blocks.setdefault(prefix, {})[key] = data[name]
         except (OSError, ValueError, KeyError, zipfile.BadZipFile) as error:
@@ -130,11 +150,14 @@ class DurableState:
         if meta.get("format") != FORMAT_VERSION:
             raise DurableStateError(f"{path} has format {meta.get('format')!r}, "
                                     f"this version reads {FORMAT_VERSION}")
-        if (meta.get("run-id"), meta.get("partition-id")) != (self.run_id, self.partition_id):
+        if (meta.get("run-name"), meta.get("partition-id")) != (self.run_name,
+                                                                self.partition_id):
             raise DurableStateError(
-                f"{path} holds run {meta.get('run-id')} partition {meta.get('partition-id')}, "
-                f"not run {self.run_id} partition {self.partition_id}")
+                f"{path} holds run {meta.get('run-name')!r} partition "
+                f"{meta.get('partition-id')}, not run {self.run_name!r} partition "
+                f"{self.partition_id}")
         return ClientState(
-            **{_BLOCKS[prefix]: block for prefix, block in blocks.items()},
+            **{BLOCKS[prefix]: block for prefix, block in blocks.items()},
             rounds_trained=int(meta["rounds-trained"]),
+            round=int(meta["round"]),
         )

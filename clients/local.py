@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 from clients.state import ClientState
 from fedspc_app.core.config import RunConfig
+from fedspc_app.core.errors import DivergenceError
 from fedspc_app.core.correction import add, reference_change, shared_update, zeros_like
 from fedspc_app.core.methods import Method
 from fedspc_app.core.task import (
@@ -166,17 +167,21 @@ def train_client(
         updates_shared = phase.model == "shared" and any(k in anchor for k in trainable)
         if correction is not None and updates_shared:
             hooks.append(DriftCorrection({k: correction[k] for k in trainable if k in correction}))
-        result = train_epochs(
-            target,
-            batches,
-            epochs=int(getattr(config, phase.epochs)),
-            trainable=trainable,
-            learning_rate=config.learning_rate,
-            momentum=config.momentum,
-            weight_decay=config.weight_decay,
-            hooks=hooks,
-            loss_fn=loss_fn,
-        )
+        try:
+            result = train_epochs(
+                target,
+                batches,
+                epochs=int(getattr(config, phase.epochs)),
+                trainable=trainable,
+                learning_rate=config.learning_rate,
+                momentum=config.momentum,
+                weight_decay=config.weight_decay,
+                hooks=hooks,
+                loss_fn=loss_fn,
+            )
+        except DivergenceError as error:
+            raise DivergenceError(f"client {partition_id} diverged in round {server_round} "
+                                  f"({phase.train} phase): {error}") from None
         if updates_shared:
             shared_steps += result.steps
         if result.examples:
@@ -201,6 +206,7 @@ def train_client(
             if personal_model is not None else None
         ),
         rounds_trained=state.rounds_trained + 1,
+        round=server_round,
     )
     metrics = {
         "num-examples": int(len(data.train_indices)),

@@ -1,26 +1,47 @@
-"""What a client keeps between rounds, stored in Flower's ``context.state``."""
+"""What a client keeps between rounds, and how it follows the server's decisions.
+
+After local training the client *stages* its new state as pending. The server's
+next message to it says, for every partition, the last round whose reply it
+aggregated (``accepted-rounds``), and up to which round those decisions are in
+its checkpoint (``durable-through``). :meth:`ClientLedger.settle` then commits
+the pending state (its reply went into the aggregate) or discards it (the reply
+was dropped, the round failed, or the server restarted from an earlier
+checkpoint). So the committed state always matches what the server holds:
+
+    invariant: committed.round == accepted-rounds[partition]
+
+and with full participation ū = (1/K) Σ_k u_k over the committed u_k.
+
+Without a store the state lives in Flower's ``context.state``; with one
+(:mod:`clients.durable`) it lives only in the store's files, which outlive the
+process (and keep memory flat with many clients).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import ConfigRecord, RecordDict
 
+from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.task import ArrayDict, from_record, to_record
 
 PERSONAL = "personal"
 LOCAL_REFERENCE = "local-reference"
 PERSONAL_MODEL = "personal-model"
 INFO = "client-info"
+BLOCKS = {PERSONAL: "personal", LOCAL_REFERENCE: "local_reference",
+          PERSONAL_MODEL: "personal_model"}
+
+COMMITTED = ""
+PENDING = "pending/"
+SLOTS = (COMMITTED, PENDING)
 
 
-class StateStore(Protocol):
-    """Where a client's state outlives its process (see :mod:`clients.durable`)."""
-
-    def read(self) -> ClientState | None: ...
-
-    def write(self, state: ClientState) -> None: ...
+class ClientStateError(FedSPCError, RuntimeError):
+    """The client's saved state does not match what the server holds."""
 
 
 @dataclass(frozen=True)
@@ -33,63 +54,125 @@ class ClientState:
         The personalized state-dict entries (e.g. FedPer's head); ``None`` before
         the first round, when they come from the common initial model.
     local_reference : dict | None
-        ``u_k`` of FedSPC (``c_k`` of SCAFFOLD) over the shared trainable
-        parameters; ``None`` means zero (``u_k^0 = 0``).
+        ``u_k`` of FedSPC (``c_k`` of SCAFFOLD); ``None`` means zero.
     personal_model : dict | None
-        Ditto's personal model ``v_k`` (every state-dict entry).
+        Ditto's personal model ``v_k``.
     rounds_trained : int
-        Number of training rounds this client completed.
+        Rounds whose training this state includes.
+    round : int
+        The server round of the last training it includes (0: the initial state).
     """
 
     personal: ArrayDict | None = None
     local_reference: ArrayDict | None = None
     personal_model: ArrayDict | None = None
     rounds_trained: int = 0
+    round: int = 0
 
     @classmethod
-    def load(cls, records: RecordDict, store: StateStore | None = None) -> "ClientState":
-        """Read the state from ``context.state`` (empty on a client's first round).
+    def from_records(cls, records: RecordDict, slot: str = COMMITTED) -> ClientState | None:
+        """The state kept in ``records`` under ``slot``, or ``None`` if there is none."""
+        if slot + INFO not in records:
+            return None
+        info = records[slot + INFO]
+        return cls(**{field: from_record(records[slot + key])
+                      for key, field in BLOCKS.items() if slot + key in records},
+                   rounds_trained=int(info.get("rounds-trained", 0)),
+                   round=int(info.get("round", 0)))
 
-        With a durable ``store`` and an empty ``context.state`` (the first message
-        after a SuperNode restart), the state comes from the store's file and is put
-        back into ``context.state``.
-        """
-        if store is not None and INFO not in records:
-            restored = store.read()
-            if restored is not None:
-                restored._put(records)
-                return restored
-
-        def arrays(key: str) -> ArrayDict | None:
-            return from_record(records[key]) if key in records else None
-
-        info = records[INFO] if INFO in records else ConfigRecord()
-        return cls(
-            personal=arrays(PERSONAL),
-            local_reference=arrays(LOCAL_REFERENCE),
-            personal_model=arrays(PERSONAL_MODEL),
-            rounds_trained=int(info.get("rounds-trained", 0)),
-        )
-
-    def commit(self, records: RecordDict, store: StateStore | None = None) -> None:
-        """Write the state into ``context.state``; call only after a round succeeded.
-
-        With a durable ``store`` its file is replaced first, so that a failed write
-        leaves both copies at the previous round.
-        """
-        if store is not None:
-            store.write(self)
-        self._put(records)
-
-    def _put(self, records: RecordDict) -> None:
-        staged: dict[str, ArrayRecord] = {}
-        for key, value in (
-            (PERSONAL, self.personal),
-            (LOCAL_REFERENCE, self.local_reference),
-            (PERSONAL_MODEL, self.personal_model),
-        ):
+    def to_records(self, records: RecordDict, slot: str = COMMITTED) -> None:
+        """Put this state into ``records`` under ``slot``, replacing what was there."""
+        clear_slot(records, slot)
+        for key, field in BLOCKS.items():
+            value = getattr(self, field)
             if value is not None:
-                staged[key] = to_record(value)
-        for key, record in staged.items():
-            records[key] = record
-        records[INFO] = ConfigRecord({"rounds-trained": self.rounds_trained})
+                records[slot + key] = to_record(value)
+        records[slot + INFO] = ConfigRecord({"rounds-trained": self.rounds_trained,
+                                             "round": self.round})
+
+
+def clear_slot(records: RecordDict, slot: str) -> None:
+    for key in (*BLOCKS, INFO):
+        if slot + key in records:
+            del records[slot + key]
+
+
+class StateStore(Protocol):
+    """Files that keep a client's state outside its process (see :mod:`clients.durable`)."""
+
+    def read(self, slot: str = COMMITTED) -> ClientState | None: ...
+
+    def write(self, state: ClientState, slot: str = COMMITTED) -> None: ...
+
+    def commit(self) -> None: ...
+
+    def discard(self) -> None: ...
+
+
+@dataclass
+class Decisions:
+    """What a server message says about the replies it aggregated.
+
+    ``accepted_rounds[p]`` is the last round whose reply from partition ``p`` went
+    into the aggregate (0: none); ``durable_through`` the last round whose
+    decisions are in the server's checkpoint, so they survive a server restart.
+    """
+
+    accepted_rounds: Sequence[int]
+    durable_through: int
+
+    def accepted_round(self, partition_id: int) -> int:
+        return int(self.accepted_rounds[partition_id])
+
+
+class ClientLedger:
+    """A client's committed and pending state, in ``context.state`` or in a store."""
+
+    def __init__(self, records: RecordDict, store: StateStore | None = None) -> None:
+        self.records = records
+        self.store = store
+
+    def read(self, slot: str = COMMITTED) -> ClientState | None:
+        if self.store is not None:
+            return self.store.read(slot)
+        return ClientState.from_records(self.records, slot)
+
+    def committed(self) -> ClientState:
+        return self.read(COMMITTED) or ClientState()
+
+    def stage(self, state: ClientState) -> None:
+        """Keep ``state`` as pending until the server says whether it accepted it."""
+        if self.store is not None:
+            self.store.write(state, PENDING)
+        else:
+            state.to_records(self.records, PENDING)
+
+    def commit(self) -> None:
+        if self.store is not None:
+            self.store.commit()
+            return
+        pending = ClientState.from_records(self.records, PENDING)
+        if pending is not None:
+            pending.to_records(self.records, COMMITTED)
+            clear_slot(self.records, PENDING)
+
+    def discard(self) -> None:
+        if self.store is not None:
+            self.store.discard()
+        else:
+            clear_slot(self.records, PENDING)
+
+    def settle(self, decisions: Decisions, partition_id: int) -> ClientState:
+        """Commit or discard the pending state as the server decided; return the state
+        this client now stands on (a pending state the server accepted but has not yet
+        checkpointed is used, not committed)."""
+        accepted = decisions.accepted_round(partition_id)
+        pending = self.read(PENDING)
+        if pending is not None:
+            if pending.round != accepted:
+                self.discard()  # dropped, failed, or a stale attempt of a redone round
+            elif pending.round <= decisions.durable_through:
+                self.commit()
+            else:
+                return pending
+        return self.committed()

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+from dataclasses import dataclass, replace
 from logging import INFO, WARNING
 
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.supercore import log
 
-from clients import ClientState, evaluate_client, train_client
+from clients import evaluate_client, train_client
 from clients.durable import DurableState
 from clients.local import uses_control_variates
-from clients.state import INFO as STATE_INFO
+from clients.state import (
+    PENDING,
+    ClientLedger,
+    ClientState,
+    ClientStateError,
+    Decisions,
+)
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.methods import Method, get_method
@@ -27,17 +34,57 @@ from fedspc_app.core.task import (
     to_record,
 )
 from strategies.fedspc import GLOBAL_REFERENCE, REFERENCE_CHANGE
-from strategies.personalized import ARRAYS, METRICS
+from strategies.personalized import (
+    ACCEPTED_ROUNDS,
+    ARRAYS,
+    DURABLE_THROUGH,
+    METRICS,
+    RUN_TOKEN,
+)
 
 app = ClientApp()
 
 # The ServerApp's check of a deployment before training (see deployment.preflight).
 PARTITION_QUERY = "partition"
+# What a SuperNode's --node-config may hold (simulation sets the first two).
+NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "data-dir", "state-dir")
 
 
 def message_config(message: Message):
     """The ``config`` ConfigRecord of a server message (empty when absent)."""
     return message.content.config_records.get("config", {})
+
+
+def check_node_config(node_config) -> tuple[int, int]:
+    """Validate this node's config like the run-config; return its partition and count."""
+    for key in node_config:
+        if key not in NODE_CONFIG_KEYS:
+            close = difflib.get_close_matches(str(key).replace("_", "-"), NODE_CONFIG_KEYS,
+                                              n=2, cutoff=0.6)
+            hint = f" (did you mean: {', '.join(close)}?)" if close else ""
+            raise ConfigError(f"unknown node-config key '{key}'{hint}; known keys: "
+                              f"{', '.join(NODE_CONFIG_KEYS)}")
+    missing = [k for k in ("partition-id", "num-partitions") if k not in node_config]
+    if missing:
+        raise ConfigError(
+            f"this node's config lacks {' and '.join(missing)}: start the SuperNode with "
+            "--node-config \"partition-id=<i> num-partitions=<N>\""
+        )
+    values = {}
+    for key in ("partition-id", "num-partitions"):
+        value = node_config[key]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"node-config '{key}' must be an integer, got {value!r}")
+        values[key] = value
+    for key in ("data-dir", "state-dir"):
+        if key in node_config and not isinstance(node_config[key], str):
+            raise ConfigError(f"node-config '{key}' must be a quoted path, "
+                              f"got {node_config[key]!r}")
+    partition_id, num_partitions = values["partition-id"], values["num-partitions"]
+    if num_partitions < 1 or not 0 <= partition_id < num_partitions:
+        raise ConfigError(f"node-config partition-id={partition_id} is not in "
+                          f"[0, num-partitions={num_partitions})")
+    return partition_id, num_partitions
 
 
 def node_run_config(context: Context) -> RunConfig:
@@ -49,14 +96,7 @@ def node_run_config(context: Context) -> RunConfig:
 
 def node_partition(message: Message, context: Context) -> tuple[int, int]:
     """This node's ``partition-id`` and ``num-partitions``, checked against the server's."""
-    missing = [k for k in ("partition-id", "num-partitions") if k not in context.node_config]
-    if missing:
-        raise ConfigError(
-            f"this node's config lacks {' and '.join(missing)}: start the SuperNode with "
-            "--node-config \"partition-id=<i> num-partitions=<N>\""
-        )
-    partition_id = int(context.node_config["partition-id"])
-    num_partitions = int(context.node_config["num-partitions"])
+    partition_id, num_partitions = check_node_config(context.node_config)
     expected = int(message_config(message).get("num-clients", num_partitions))
     if expected != num_partitions:
         raise ConfigError(
@@ -64,6 +104,14 @@ def node_partition(message: Message, context: Context) -> tuple[int, int]:
             f"server partitions the data over {expected} clients"
         )
     return partition_id, num_partitions
+
+
+def message_decisions(message: Message) -> Decisions | None:
+    """The server's decisions on earlier replies, as this message carries them."""
+    config = message_config(message)
+    if ACCEPTED_ROUNDS not in config:
+        return None
+    return Decisions(list(config[ACCEPTED_ROUNDS]), int(config.get(DURABLE_THROUGH, 0)))
 
 
 @dataclass
@@ -87,10 +135,14 @@ class ClientSetup:
         partition_id, num_partitions = node_partition(message, context)
         data = client_data(config, partition_id, num_partitions)
         model = make_model(config, data.dataset)
+        deployment = bool(message_config(message).get("deployment", False))
+        store = DurableState.for_node(context.node_config, config.run_dir,
+                                      config.resolved_run_name, partition_id,
+                                      deployment=deployment, checkpoint=config.checkpoint,
+                                      run_token=str(message_config(message).get(RUN_TOKEN, "")))
         return cls(config, method, data, parameter_split(model, method), model,
                    partition_id, int(message_config(message).get("server-round", 0)),
-                   store=DurableState.from_context(context),
-                   deployment=bool(message_config(message).get("deployment", False)))
+                   store=store, deployment=deployment)
 
     @property
     def keeps_state(self) -> bool:
@@ -98,48 +150,66 @@ class ClientSetup:
         return bool(self.split.personal or self.method.personal_model
                     or uses_control_variates(self.method, self.config))
 
-    def load_state(self, context: Context) -> ClientState:
-        """The client state: from memory, else from the node's state file; logs its origin."""
-        fresh = STATE_INFO not in context.state
-        state = ClientState.load(context.state, self.store)
-        if not fresh:
-            return state
-        where = f"run {context.run_id}, partition {self.partition_id}"
-        if self.store is not None and state.rounds_trained > 0:
-            log(INFO, "Restored the client state of %s from %s (%d rounds trained)",
-                where, self.store.path, state.rounds_trained)
-        elif not (self.deployment and self.keeps_state):
-            pass
-        elif self.store is None:
+    def load_state(self, message: Message, context: Context) -> tuple[ClientLedger,
+                                                                      ClientState]:
+        """Settle the pending state as the server decided; the state to work from."""
+        ledger = ClientLedger(context.state, self.store)
+        decisions = message_decisions(message)
+        if decisions is None:  # a server that sends no decisions: commit as it comes
+            ledger.commit()
+            return ledger, ledger.committed()
+        where = f"run {self.config.resolved_run_name!r}, partition {self.partition_id}"
+        if decisions.durable_through == 0 and self.deployment and self.keeps_state \
+                and self.store is None and ClientState.from_records(context.state) is None:
             log(WARNING, "Client state of %s lives only in this SuperNode's memory (no "
-                "node-config state-dir): if the SuperNode restarts, this client starts again "
-                "from the common initial personalized parameters and u_k = 0. Start it with "
-                "--node-config \"... state-dir='/var/lib/fedspc'\" to keep it on disk.", where)
-        elif self.server_round > 1:
-            log(WARNING, "No saved client state of %s at %s: this client starts from the "
-                "common initial personalized parameters and u_k = 0 (right only if it has "
-                "not trained in this run before)", where, self.store.path)
-        return state
+                "node-config state-dir): if the SuperNode restarts, or the run is resumed, "
+                "this client starts again from the common initial personalized parameters "
+                "and u_k = 0. Start it with --node-config \"... state-dir='/var/lib/fedspc'\" "
+                "to keep it on disk.", where)
+        if self.store is not None and self.store.claim():
+            log(INFO, "Removed the saved client state of an earlier run named like this one "
+                "(%s) in %s", where, self.store.directory)
+        state = ledger.settle(decisions, self.partition_id)
+        accepted = decisions.accepted_round(self.partition_id)
+        if state.round == accepted:
+            return ledger, state
+        if state.round > accepted:
+            raise ClientStateError(
+                f"the saved state of {where} includes round {state.round}, but the server "
+                f"last aggregated this client's reply in round {accepted}: the state "
+                "belongs to another run with this run name; remove it or pick a run-name")
+        if self.store is not None:
+            raise ClientStateError(
+                f"the server last aggregated the reply of {where} in round {accepted}, but "
+                f"the saved state in {self.store.directory} is from round {state.round}: "
+                "the client state was lost or replaced")
+        if self.keeps_state:
+            log(WARNING, "Client state of %s was lost (it lived only in memory): this "
+                "client starts again from the common initial personalized parameters and "
+                "u_k = 0, while the server last aggregated its reply in round %d", where,
+                accepted)
+        return ledger, replace(state, round=accepted)
 
-    def arguments(self, message: Message, context: Context) -> dict:
+    def arguments(self, message: Message, state: ClientState) -> dict:
         """Keyword arguments shared by :func:`train_client` and :func:`evaluate_client`."""
         received = from_record(message.content.array_records[ARRAYS])
         if set(received) != set(self.split.shared):
             raise ValueError("the server sent arrays that are not this method's shared block")
         return dict(config=self.config, method=self.method, model=self.model,
-                    split=self.split, received=received,
-                    state=self.load_state(context), data=self.data,
+                    split=self.split, received=received, state=state, data=self.data,
                     server_round=self.server_round, partition_id=self.partition_id)
 
 
 @app.train()
 def train(message: Message, context: Context) -> Message:
-    """One round of local training; state is committed only after it succeeded."""
+    """One round of local training; its new state stays pending until the server
+    says whether it aggregated the reply (see :class:`clients.state.ClientLedger`)."""
     setup = ClientSetup.from_message(message, context)
+    ledger, state = setup.load_state(message, context)
     global_reference = None
     if GLOBAL_REFERENCE in message.content.array_records:
         global_reference = from_record(message.content.array_records[GLOBAL_REFERENCE])
-    outcome = train_client(**setup.arguments(message, context),
+    outcome = train_client(**setup.arguments(message, state),
                            global_reference=global_reference)
     content = RecordDict({
         ARRAYS: to_record(outcome.shared),
@@ -148,7 +218,7 @@ def train(message: Message, context: Context) -> Message:
     upload = message_config(message).get("reference-upload")
     if upload == "explicit" and outcome.reference_change is not None:
         content[REFERENCE_CHANGE] = to_record(outcome.reference_change)
-    outcome.state.commit(context.state, setup.store)
+    ledger.stage(outcome.state)
     return Message(content=content, reply_to=message)
 
 
@@ -156,7 +226,8 @@ def train(message: Message, context: Context) -> Message:
 def evaluate(message: Message, context: Context) -> Message:
     """Personalized accuracy on this client's own test split."""
     setup = ClientSetup.from_message(message, context)
-    outcome = evaluate_client(**setup.arguments(message, context))
+    _, state = setup.load_state(message, context)
+    outcome = evaluate_client(**setup.arguments(message, state))
     metrics = MetricRecord({
         "num-examples": outcome.examples,
         "correct": outcome.correct,
@@ -182,9 +253,12 @@ def query(message: Message, context: Context) -> Message:
     partition_id, num_partitions = node_partition(message, context)
     client_data(config, partition_id, num_partitions)  # data, partition id and device
     partition = load_partition(config, num_partitions)
-    store = DurableState.from_context(context)
-    if store is not None:
-        store.read()  # an unreadable state file fails now, not in the middle of the run
+    store = DurableState.for_node(context.node_config, config.run_dir,
+                                  config.resolved_run_name, partition_id, deployment=True,
+                                  checkpoint=config.checkpoint)
+    if store is not None:  # an unreadable state file fails now, not in the middle of the run
+        store.read()
+        store.read(PENDING)
     log(INFO, "Partition %d of %d: %d training and %d test images; client state %s",
         partition_id, num_partitions, int(partition.train_counts()[partition_id].sum()),
         int(partition.test_counts()[partition_id].sum()),

@@ -8,13 +8,25 @@ deployment the server machine need not hold the data (see
 
 from __future__ import annotations
 
+import secrets
+import shutil
 import time
 from logging import ERROR, INFO
 
-from flwr.app import ConfigRecord, Context
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
+from clients.durable import SIMULATION_FOLDER
+from fedspc_app.core.checkpoint import (
+    COMPLETE,
+    TRAINED,
+    Checkpoint,
+    fingerprint,
+    read_checkpoint,
+    remove_checkpoint,
+    write_checkpoint,
+)
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError, FedSPCError
 from fedspc_app.core.methods import Method, get_method
@@ -25,28 +37,86 @@ from fedspc_app.core.task import (
     load_partition,
     make_model,
     parameter_split,
+    from_record,
     state_arrays,
     to_record,
 )
 from fedspc_app.deployment import is_deployment, preflight, server_dataset
-from strategies import FedSPC, PersonalizedFedAvg
+from strategies import FedSPC, PersonalizedFedAvg, RoundReport, run_rounds
+from strategies.personalized import RUN_TOKEN
 
 app = ServerApp()
 
+
 def build_strategy(config: RunConfig, method: Method, split: ParameterSplit,
-                   recorder: RunRecorder | None = None, num_clients: int = 2):
+                   num_clients: int = 2):
     """The method's strategy, wrapped by FedSPC when the control variates are on."""
     strategy = PersonalizedFedAvg(
         shared_keys=split.shared,
         aggregation=config.aggregation,
         fraction_train=config.fraction_train,
         min_available_nodes=num_clients,
-        on_round_end=recorder.on_round_end if recorder else None,
+        num_partitions=num_clients,
+        min_train_replies=config.min_train_replies,
     )
     if method.control_variates or config.fedspc:
         return FedSPC(strategy, corrected_keys=split.corrected,
                       learning_rate=config.learning_rate, upload=config.fedspc_upload)
     return strategy
+
+
+class RoundRecords:
+    """After each round: the progress line and results files, and the checkpoint."""
+
+    def __init__(self, config: RunConfig, strategy, recorder: RunRecorder,
+                 identity: dict, resumed: Checkpoint | None) -> None:
+        self.config = config
+        self.strategy = strategy
+        self.recorder = recorder
+        self.identity = identity
+        self.failed_streak = resumed.failed_streak if resumed else 0
+        self.shared = resumed.shared if resumed else {}
+
+    def checkpoint(self, server_round: int, phase: str, *, new_arrays: bool,
+                   train_metrics: MetricRecord | None = None) -> None:
+        if not self.config.checkpoint:
+            return
+        write_checkpoint(self.recorder.run_dir, Checkpoint(
+            round=server_round, phase=phase, shared=self.shared,
+            global_reference=self.strategy.state_arrays(),
+            strategy=self.strategy.state_dict(), failed_streak=self.failed_streak,
+            rounds=self.recorder.rounds, elapsed_seconds=self.recorder.elapsed,
+            train_metrics=dict(train_metrics) if train_metrics is not None else None,
+        ), self.identity, new_arrays=new_arrays)
+
+    def on_trained(self, server_round: int, arrays: ArrayRecord,
+                   train_metrics: MetricRecord | None, report: RoundReport) -> None:
+        self.failed_streak = self.failed_streak + 1 if report.failed else 0
+        self.shared = from_record(arrays)
+        self.checkpoint(server_round, TRAINED, new_arrays=True, train_metrics=train_metrics)
+
+    def on_round_end(self, server_round: int, train_metrics: MetricRecord | None,
+                     evaluate_metrics: MetricRecord | None, report: RoundReport | None) -> None:
+        self.recorder.on_round_end(server_round, train_metrics, evaluate_metrics, report)
+        self.checkpoint(server_round, COMPLETE, new_arrays=False)
+
+
+def resume_point(config: RunConfig, identity: dict) -> Checkpoint | None:
+    """The checkpoint to continue from, or ``None`` to start at round 1.
+
+    A run that does not resume removes an earlier run's checkpoint in its folder.
+    """
+    if not config.resume:
+        remove_checkpoint(config.run_dir)
+        return None
+    resumed = read_checkpoint(config.run_dir, identity)
+    if resumed is None:
+        log(INFO, "resume = true but %s holds no checkpoint: starting at round 1",
+            config.run_dir)
+    elif resumed.round >= config.num_rounds and resumed.phase == COMPLETE:
+        raise ConfigError(f"the checkpoint in {config.run_dir} is already at round "
+                          f"{resumed.round} of num-rounds = {config.num_rounds}")
+    return resumed
 
 
 def wait_for_clients(grid: Grid, expected: int, timeout: float = 600.0) -> int:
@@ -93,6 +163,18 @@ def main(grid: Grid, context: Context) -> None:
 
     traffic = TrafficGrid(grid)
     recorder = RunRecorder(config, traffic=traffic, echo=lambda line: log(INFO, "%s", line))
+    identity = fingerprint(config, num_clients)
+    strategy = build_strategy(config, method, split, num_clients)
+    try:
+        resumed = resume_point(config, identity)
+        if resumed is not None:
+            strategy.load_state_dict(resumed.strategy, resumed.round,
+                                     global_reference=resumed.global_reference)
+            if set(resumed.shared) != set(split.shared):
+                raise ConfigError("the checkpoint's shared block does not match this model")
+    except (FedSPCError, ValueError) as error:
+        log(ERROR, "Run not started: %s", error)
+        raise SystemExit(f"fedspc: {error}") from None
     recorder.start(extra={
         "method": method.summary,
         "num-clients": num_clients,
@@ -100,18 +182,40 @@ def main(grid: Grid, context: Context) -> None:
         "dataset": {"name": shape.name, **sizes, "classes": shape.num_classes},
         "shared-keys": list(split.shared),
         "personal-keys": list(split.personal),
-    })
+        "resumed-after-round": resumed.round if resumed else 0,
+    }, rounds=resumed.rounds if resumed else None,
+        elapsed=resumed.elapsed_seconds if resumed else 0.0)
     save_partition(partition, recorder.run_dir)
     log(INFO, "%s | %s on %s, %d clients, alpha=%g, %d rounds", config.label,
         config.model, config.dataset, num_clients, config.alpha, config.num_rounds)
 
-    strategy = build_strategy(config, method, split, recorder, num_clients)
+    records = RoundRecords(config, strategy, recorder, identity, resumed)
+    token = str(resumed.strategy.get(RUN_TOKEN, "")) if resumed else ""
+    strategy.run_token = token or secrets.token_hex(8)
     round_config = {"num-clients": num_clients, "deployment": deployment}
-    strategy.start(
-        grid=traffic,
-        initial_arrays=to_record(state_arrays(model, split.shared)),
-        num_rounds=config.num_rounds,
-        train_config=ConfigRecord(round_config),
-        evaluate_config=ConfigRecord(round_config),
-    )
+    initial = resumed.shared if resumed else state_arrays(model, split.shared)
+    evaluate_first = resumed is not None and resumed.phase == TRAINED
+    try:
+        run_rounds(
+            strategy, traffic,
+            arrays=to_record(initial),
+            num_rounds=config.num_rounds,
+            first_round=resumed.round + (0 if evaluate_first else 1) if resumed else 1,
+            evaluate_first=evaluate_first,
+            resumed_train_metrics=(MetricRecord(resumed.train_metrics)
+                                   if evaluate_first and resumed.train_metrics else None),
+            timeout=config.round_timeout,
+            train_config=ConfigRecord(round_config),
+            evaluate_config=ConfigRecord(round_config),
+            max_failed_rounds=config.max_failed_rounds,
+            failed_streak=resumed.failed_streak if resumed else 0,
+            on_trained=records.on_trained,
+            on_round_end=records.on_round_end,
+        )
+    except FedSPCError as error:
+        recorder.finish()
+        log(ERROR, "Run stopped: %s", error)
+        raise SystemExit(f"fedspc: {error}") from None
     recorder.finish()
+    if not deployment:  # the clients' files are only needed to resume this run
+        shutil.rmtree(recorder.run_dir / SIMULATION_FOLDER, ignore_errors=True)

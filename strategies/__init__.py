@@ -6,6 +6,8 @@
 """
 
 from strategies.fedspc import FedSPC
-from strategies.personalized import NoValidReplies, PersonalizedFedAvg, mean_arrays
+from strategies.personalized import PersonalizedFedAvg, RoundReport, mean_arrays
+from strategies.rounds import TooManyFailedRounds, run_rounds
 
-__all__ = ["FedSPC", "NoValidReplies", "PersonalizedFedAvg", "mean_arrays"]
+__all__ = ["FedSPC", "PersonalizedFedAvg", "RoundReport", "TooManyFailedRounds",
+           "mean_arrays", "run_rounds"]

@@ -80,6 +80,44 @@ class FedSPC(Strategy):
             len(self.corrected_keys), self.learning_rate, self.upload)
         self.strategy.summary()
 
+    # ------------------------------------------------------------------ state
+    @property
+    def report(self):
+        return self.strategy.report
+
+    @property
+    def durable_through(self) -> int:
+        return self.strategy.durable_through
+
+    @durable_through.setter
+    def durable_through(self, server_round: int) -> None:
+        self.strategy.durable_through = server_round
+
+    @property
+    def run_token(self) -> str:
+        return self.strategy.run_token
+
+    @run_token.setter
+    def run_token(self, token: str) -> None:
+        self.strategy.run_token = token
+
+    def state_dict(self) -> dict:
+        return {**self.strategy.state_dict(), "num-clients": self.num_clients}
+
+    def state_arrays(self) -> ArrayDict:
+        """u_bar, for a checkpoint (empty before round 1)."""
+        return dict(self.global_reference or {})
+
+    def load_state_dict(self, state: dict, completed_round: int,
+                        global_reference: ArrayDict | None = None) -> None:
+        self.strategy.load_state_dict(state, completed_round)
+        self.num_clients = int(state.get("num-clients", 0))
+        if global_reference:
+            if set(global_reference) != set(self.corrected_keys):
+                raise ValueError("the checkpoint's u_bar does not cover the corrected keys")
+            self.global_reference = {key: np.asarray(value, dtype=np.float32)
+                                     for key, value in global_reference.items()}
+
     # ------------------------------------------------------------------ training
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -137,6 +175,8 @@ class FedSPC(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Aggregate theta_s with the inner strategy, then update u_bar (step 4)."""
         accepted = self.strategy.accept_replies(server_round, replies, self.check_reply)
+        if not accepted:  # the round failed: theta_s and u_bar stay as they were
+            return None, None
         arrays, metrics = self.strategy.aggregate_accepted(server_round, accepted)
         total = {key: np.zeros(value.shape, dtype=np.float64)
                  for key, value in self.global_reference.items()}

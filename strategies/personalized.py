@@ -2,15 +2,21 @@
 
 The server only ever holds the shared state-dict entries of the method; replies
 are checked key by key (a reply carrying a key outside the shared set, a wrong
-shape or a non-finite value is rejected with a logged reason) and averaged with
-the paper's unweighted mean (or sample-weighted, as an option). Evaluation
-replies are aggregated into the paper's personalized accuracy: the mean over
+shape or a non-finite value is dropped with a logged reason) and averaged with
+the paper's unweighted mean (or sample-weighted, as an option). A round in which
+fewer than ``min_train_replies`` of the sampled clients sent a usable reply fails:
+the shared block stays as it was. Every message tells the clients which of their
+replies went into an aggregate (``accepted-rounds``), so they commit or discard
+the state they staged (:mod:`clients.state`). Evaluation replies are validated
+the same way and aggregated into the paper's personalized accuracy: the mean over
 clients of each client's accuracy on its own test split.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from logging import INFO, WARNING
 
 import numpy as np
@@ -25,11 +31,26 @@ from fedspc_app.core.task import ArrayDict, from_record, to_record
 ARRAYS = "arrays"
 METRICS = "metrics"
 
-RoundCallback = Callable[[int, MetricRecord | None, MetricRecord | None], None]
+ACCEPTED_ROUNDS = "accepted-rounds"
+DURABLE_THROUGH = "durable-through"
+RUN_TOKEN = "run-token"  # tells a resumed run's clients from another run's leftovers
+EVALUATION_KEYS = ("num-examples", "correct", "loss-sum", "partition-id")
 
 
-class NoValidReplies(FedSPCError):
-    """Every client of a round failed or sent an unusable reply."""
+@dataclass
+class RoundReport:
+    """What happened to one round's training replies."""
+
+    server_round: int
+    sampled: int
+    accepted: int = 0
+    reasons: list[str] = field(default_factory=list)
+    failed: bool = False
+    evaluate_dropped: int = 0
+
+    @property
+    def dropped(self) -> int:
+        return self.sampled - self.accepted
 
 
 def mean_arrays(updates: Sequence[ArrayDict], weights: Sequence[float]) -> ArrayDict:
@@ -66,9 +87,12 @@ class PersonalizedFedAvg(FedAvg):
         Fraction of the connected clients sampled each round.
     min_available_nodes : int (default: 2)
         Wait until this many clients are connected before sampling.
-    on_round_end : callable, optional
-        Called as ``on_round_end(server_round, train_metrics, evaluate_metrics)``
-        after each round's evaluation (progress output and results files).
+    num_partitions : int (default: 0, meaning ``min_available_nodes``)
+        K, the number of client partitions (replies name theirs).
+    min_train_replies : float (default: 0.0)
+        Fraction of the sampled clients whose usable replies a round needs; a
+        round with fewer fails and leaves the shared block unchanged (at least
+        one usable reply is always needed).
     """
 
     def __init__(
@@ -78,7 +102,8 @@ class PersonalizedFedAvg(FedAvg):
         aggregation: str = "mean",
         fraction_train: float = 1.0,
         min_available_nodes: int = 2,
-        on_round_end: RoundCallback | None = None,
+        num_partitions: int = 0,
+        min_train_replies: float = 0.0,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train,
@@ -91,9 +116,38 @@ class PersonalizedFedAvg(FedAvg):
             raise ValueError(f"aggregation must be 'mean' or 'weighted', got {aggregation!r}")
         self.shared_keys = tuple(shared_keys)
         self.aggregation = aggregation
-        self.on_round_end = on_round_end
+        self.num_partitions = num_partitions or min_available_nodes
+        self.min_train_replies = min_train_replies
         self.broadcast: ArrayDict | None = None
-        self.last_train_metrics: MetricRecord | None = None
+        self.accepted_rounds = [0] * self.num_partitions
+        self.durable_through = 0
+        self.run_token = ""
+        self.report: RoundReport | None = None
+        self.sampled = 0
+
+    # ------------------------------------------------------------------ state
+    def decisions(self) -> dict[str, list[int] | int]:
+        """What every message tells the clients about their earlier replies."""
+        return {ACCEPTED_ROUNDS: list(self.accepted_rounds),
+                DURABLE_THROUGH: self.durable_through, RUN_TOKEN: self.run_token}
+
+    def state_dict(self) -> dict[str, list[int] | str]:
+        """What a checkpoint needs to continue this strategy exactly."""
+        return {ACCEPTED_ROUNDS: list(self.accepted_rounds), RUN_TOKEN: self.run_token}
+
+    def state_arrays(self) -> ArrayDict:
+        """Arrays a checkpoint needs besides the shared block (none here)."""
+        return {}
+
+    def load_state_dict(self, state: dict, completed_round: int,
+                        global_reference: ArrayDict | None = None) -> None:
+        accepted = [int(v) for v in state[ACCEPTED_ROUNDS]]
+        if len(accepted) != self.num_partitions:
+            raise FedSPCError(f"the checkpoint holds {len(accepted)} clients, this run "
+                              f"{self.num_partitions}")
+        self.accepted_rounds = accepted
+        self.durable_through = completed_round
+        self.run_token = str(state.get(RUN_TOKEN, ""))
 
     def summary(self) -> None:
         log(INFO, "\t├──> Shared keys: %d (aggregation: %s)", len(self.shared_keys),
@@ -108,7 +162,17 @@ class PersonalizedFedAvg(FedAvg):
         if set(arrays.keys()) != set(self.shared_keys):
             raise ValueError("the broadcast must hold exactly the shared keys")
         self.broadcast = from_record(arrays)
-        return super().configure_train(server_round, arrays, config, grid)
+        config.update(self.decisions())
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        self.sampled = len(messages)
+        return messages
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Send every client the shared block and the decisions of this round."""
+        config.update(self.decisions())
+        return super().configure_evaluate(server_round, arrays, config, grid)
 
     def check_reply(self, message: Message) -> str | None:
         """Why a train reply is unusable, or ``None`` when it is fine."""
@@ -133,41 +197,64 @@ class PersonalizedFedAvg(FedAvg):
                 return f"{key!r} has shape {value.shape}, expected {reference.shape}"
             if np.issubdtype(value.dtype, np.floating) and not np.all(np.isfinite(value)):
                 return f"{key!r} holds non-finite values"
-        num_examples = content.metric_records[METRICS].get("num-examples")
+        metrics = content.metric_records[METRICS]
+        num_examples = metrics.get("num-examples")
         if not isinstance(num_examples, int) or num_examples <= 0:
             return f"'num-examples' must be a positive integer, got {num_examples!r}"
+        return self._check_partition(metrics.get("partition-id"))
+
+    def _check_partition(self, partition_id: object) -> str | None:
+        if not isinstance(partition_id, int) or not 0 <= partition_id < self.num_partitions:
+            return (f"'partition-id' must be an integer in [0, {self.num_partitions}), "
+                    f"got {partition_id!r}")
         return None
 
     def accept_replies(self, server_round: int, replies: Iterable[Message],
                        check: Callable[[Message], str | None] | None = None) -> list[Message]:
-        """Keep the usable replies, log why the others were dropped.
+        """The usable replies, or none when there are too few (the round fails).
 
-        Raises :class:`NoValidReplies` when none is usable: continuing with an
-        unchanged model would silently waste the run.
+        Why each other reply was dropped is logged and kept in :attr:`report`.
         """
         replies = list(replies)
-        accepted, reasons = [], []
+        sampled = max(self.sampled, len(replies))
+        report = RoundReport(server_round, sampled)
+        accepted, partitions = [], set()
         for message in replies:
             reason = self.check_reply(message) or (check(message) if check else None)
+            if reason is None:
+                partition = message.content.metric_records[METRICS]["partition-id"]
+                if partition in partitions:
+                    reason = f"a second reply for partition {partition}"
+                partitions.add(partition)
             if reason is None:
                 accepted.append(message)
             else:
                 node = message.metadata.src_node_id
-                reasons.append(f"node {node}: {reason}")
+                report.reasons.append(f"node {node}: {reason}")
                 log(WARNING, "round %d: dropped the reply of node %d: %s", server_round,
                     node, reason)
-        if not accepted:
-            raise NoValidReplies(
-                f"round {server_round}: no usable training reply out of {len(replies)}: "
-                + "; ".join(reasons[:5])
-            )
+        if sampled > len(replies):
+            report.reasons.append(f"{sampled - len(replies)} sampled client(s) did not "
+                                  "reply within the round timeout")
+        report.accepted = len(accepted)
+        needed = max(1, math.ceil(self.min_train_replies * sampled - 1e-9))
+        self.report = report
+        if len(accepted) < needed:
+            report.failed = True
+            report.accepted = 0
+            log(WARNING, "round %d failed: %d of %d sampled clients sent a usable reply, "
+                "%d needed; the shared block stays as it was", server_round, len(accepted),
+                sampled, needed)
+            return []
         return accepted
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Average the shared block over the accepted replies."""
+        """Average the shared block over the accepted replies (None: the round failed)."""
         accepted = self.accept_replies(server_round, replies)
+        if not accepted:
+            return None, None
         return self.aggregate_accepted(server_round, accepted)
 
     def aggregate_accepted(
@@ -176,6 +263,8 @@ class PersonalizedFedAvg(FedAvg):
         """Aggregate replies that already passed :meth:`check_reply`."""
         updates = [from_record(m.content.array_records[ARRAYS]) for m in accepted]
         metrics = [m.content.metric_records[METRICS] for m in accepted]
+        for record in metrics:
+            self.accepted_rounds[int(record["partition-id"])] = server_round
         if self.aggregation == "weighted":
             weights = [float(m["num-examples"]) for m in metrics]
         else:
@@ -190,41 +279,61 @@ class PersonalizedFedAvg(FedAvg):
             # Rounds each client has completed, as its persisted state says.
             "min-rounds-trained": int(min(int(m.get("rounds-trained", 0)) for m in metrics)),
         })
-        self.last_train_metrics = summary
         return to_record(arrays), summary
 
     # ---------------------------------------------------------------- evaluation
+    def check_evaluation(self, message: Message) -> str | None:
+        """Why an evaluation reply is unusable, or ``None`` when it is fine."""
+        if message.has_error():
+            return f"client error: {message.error.reason}"
+        metrics = message.content.metric_records.get(METRICS)
+        if metrics is None:
+            return f"no MetricRecord '{METRICS}' in the reply"
+        missing = [key for key in EVALUATION_KEYS if key not in metrics]
+        if missing:
+            return f"missing {', '.join(missing)}"
+        examples, correct, loss = (metrics["num-examples"], metrics["correct"],
+                                   metrics["loss-sum"])
+        if not isinstance(examples, int) or examples <= 0:
+            return f"'num-examples' must be a positive integer, got {examples!r}"
+        if not isinstance(correct, int) or not 0 <= correct <= examples:
+            return f"'correct' must be an integer in [0, {examples}], got {correct!r}"
+        if not isinstance(loss, (int, float)) or not math.isfinite(loss) or loss < 0:
+            return f"'loss-sum' must be finite and >= 0, got {loss!r}"
+        return self._check_partition(metrics["partition-id"])
+
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Personalized accuracy (mean over clients), weighted accuracy, per client."""
-        rows = []
+        rows, dropped = {}, 0
         for message in replies:
-            if message.has_error():
-                log(WARNING, "round %d: evaluation failed on node %d: %s", server_round,
-                    message.metadata.src_node_id, message.error.reason)
-                continue
-            metrics = message.content.metric_records.get(METRICS)
-            if metrics is None or int(metrics.get("num-examples", 0)) <= 0:
-                log(WARNING, "round %d: unusable evaluation reply from node %d",
-                    server_round, message.metadata.src_node_id)
-                continue
-            rows.append((int(metrics["partition-id"]), int(metrics["correct"]),
-                         int(metrics["num-examples"]), float(metrics["loss-sum"])))
-        result = None
-        if rows:
-            rows.sort()
-            accuracies = [correct / n for _, correct, n, _ in rows]
-            total = sum(n for _, _, n, _ in rows)
-            result = MetricRecord({
-                "accuracy": float(np.mean(accuracies)),
-                "weighted-accuracy": sum(c for _, c, _, _ in rows) / total,
-                "loss": sum(loss for *_, loss in rows) / total,
-                "clients": len(rows),
-                "client-ids": [pid for pid, *_ in rows],
-                "client-accuracy": accuracies,
-                "client-examples": [n for _, _, n, _ in rows],
-            })
-        if self.on_round_end is not None:
-            self.on_round_end(server_round, self.last_train_metrics, result)
-        return result
+            reason = self.check_evaluation(message)
+            if reason is None:
+                metrics = message.content.metric_records[METRICS]
+                partition = int(metrics["partition-id"])
+                if partition in rows:
+                    reason = f"a second evaluation of partition {partition}"
+                else:
+                    rows[partition] = (int(metrics["correct"]), int(metrics["num-examples"]),
+                                       float(metrics["loss-sum"]))
+                    continue
+            dropped += 1
+            log(WARNING, "round %d: dropped the evaluation reply of node %d: %s",
+                server_round, message.metadata.src_node_id, reason)
+        if self.report is not None and self.report.server_round == server_round:
+            self.report.evaluate_dropped = dropped
+        if not rows:
+            return None
+        ids = sorted(rows)
+        accuracies = [rows[pid][0] / rows[pid][1] for pid in ids]
+        total = sum(rows[pid][1] for pid in ids)
+        return MetricRecord({
+            "accuracy": float(np.mean(accuracies)),
+            "weighted-accuracy": sum(rows[pid][0] for pid in ids) / total,
+            "loss": sum(rows[pid][2] for pid in ids) / total,
+            "clients": len(ids),
+            "client-ids": ids,
+            "client-accuracy": accuracies,
+            "client-examples": [rows[pid][1] for pid in ids],
+        })

@@ -1,9 +1,10 @@
-"""Node-local durable client state (clients/durable.py) and its use by the ClientApp.
+"""Client state kept in files (clients/durable.py) and the ledger that commits it
+(clients/state.py), alone and inside the real ClientApp (tests/inprocess.py).
 
-The last tests run the real ClientApp in this process (tests/inprocess.py) and
-restart a client by emptying its ``context.state``, as a SuperNode restart does:
-with a ``state-dir`` the next round is bit for bit the round the client would have
-trained without the restart; without one it starts over, with a warning.
+A client restart is simulated by emptying its ``context.state``, as a SuperNode
+restart does: with a ``state-dir`` the next round is bit for bit the round the
+client would have trained without the restart; without one it starts over, with a
+warning.
 """
 
 from __future__ import annotations
@@ -16,16 +17,20 @@ import pytest
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
-    Context,
     Message,
     MessageType,
     RecordDict,
 )
 from inprocess import InProcessGrid
 
-from clients import ClientState
 from clients.durable import DurableState, DurableStateError
-from clients.state import INFO, LOCAL_REFERENCE, PERSONAL
+from clients.state import (
+    COMMITTED,
+    PENDING,
+    ClientLedger,
+    ClientState,
+    Decisions,
+)
 from fedspc_app import client_app
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.datasets import load_dataset
@@ -50,11 +55,12 @@ def sample_state(rounds: int = 3) -> ClientState:
         local_reference={"body.weight": rng.normal(size=(4, 3)).astype(np.float32)},
         personal_model=None,
         rounds_trained=rounds,
+        round=rounds,
     )
 
 
 def assert_same_state(left: ClientState, right: ClientState) -> None:
-    assert left.rounds_trained == right.rounds_trained
+    assert (left.rounds_trained, left.round) == (right.rounds_trained, right.round)
     for field in ("personal", "local_reference", "personal_model"):
         a, b = getattr(left, field), getattr(right, field)
         assert (a is None) == (b is None), field
@@ -65,45 +71,57 @@ def assert_same_state(left: ClientState, right: ClientState) -> None:
                 np.testing.assert_array_equal(a[key], b[key])
 
 
-def context(state_dir=None, *, run_id: int = 11, partition_id: int = 2) -> Context:
-    node_config = {"partition-id": partition_id, "num-partitions": 4}
-    if state_dir is not None:
-        node_config["state-dir"] = str(state_dir)
-    return Context(run_id=run_id, node_id=5, node_config=node_config, state=RecordDict(),
-                   run_config={})
+def store_in(tmp_path, *, token: str = "t1", partition_id: int = 0) -> DurableState:
+    return DurableState(tmp_path, "run", partition_id, token)
 
 
 # ------------------------------------------------------------------------ the store
-def test_store_is_named_by_state_dir_run_and_partition(tmp_path):
-    assert DurableState.from_context(context()) is None
-    assert DurableState.from_context(context("")) is None
-    store = DurableState.from_context(context(tmp_path, run_id=123, partition_id=3))
-    assert store.path == tmp_path / "run-123" / "partition-3.npz"
+def test_where_each_node_keeps_its_state(tmp_path):
+    args = dict(run_dir=tmp_path / "results" / "r", run_name="r", partition_id=3)
+    assert DurableState.for_node({}, **args, deployment=True, checkpoint=True) is None
+    assert DurableState.for_node({}, **args, deployment=False, checkpoint=False) is None
+    simulated = DurableState.for_node({}, **args, deployment=False, checkpoint=True)
+    assert simulated.path() == tmp_path / "results" / "r" / "client-state" / "partition-3.npz"
+    node = DurableState.for_node({"state-dir": str(tmp_path / "s")}, **args, deployment=True,
+                                 checkpoint=False)
+    assert node.path() == tmp_path / "s" / "r" / "partition-3.npz"
+    assert node.path(PENDING) == tmp_path / "s" / "r" / "partition-3.pending.npz"
 
 
 def test_write_then_read_gives_the_same_state_with_dtypes_and_0d_arrays(tmp_path):
-    store = DurableState(tmp_path, run_id=1, partition_id=0)
-    assert store.read() is None and not store.path.exists()
+    store = store_in(tmp_path)
+    assert store.read() is None and store.read(PENDING) is None
     state = sample_state()
     store.write(state)
-    assert store.path.is_file()
     assert_same_state(store.read(), state)
-    # A later round replaces the file.
-    store.write(sample_state(4))
-    assert store.read().rounds_trained == 4
-    assert sorted(p.name for p in store.path.parent.iterdir()) == ["partition-0.npz"]
+    store.write(sample_state(4), PENDING)
+    assert_same_state(store.read(PENDING), sample_state(4))
+    assert_same_state(store.read(), state)  # the committed slot is untouched
+
+
+def test_commit_renames_pending_over_committed_and_discard_drops_it(tmp_path):
+    store = store_in(tmp_path)
+    store.write(sample_state(1))
+    store.write(sample_state(2), PENDING)
+    store.commit()
+    assert_same_state(store.read(), sample_state(2))
+    assert store.read(PENDING) is None
+    store.write(sample_state(3), PENDING)
+    store.discard()
+    assert_same_state(store.read(), sample_state(2))
+    assert sorted(os.listdir(tmp_path)) == ["partition-0.npz"]
 
 
 def test_ditto_personal_model_round_trips(tmp_path):
-    store = DurableState(tmp_path, run_id=1, partition_id=0)
+    store = store_in(tmp_path)
     state = ClientState(personal_model={"w": np.arange(6, dtype=np.float32).reshape(2, 3)},
-                        rounds_trained=1)
+                        rounds_trained=1, round=1)
     store.write(state)
     assert_same_state(store.read(), state)
 
 
 def test_failed_write_keeps_the_previous_file_and_leaves_no_temporary(tmp_path, monkeypatch):
-    store = DurableState(tmp_path, run_id=1, partition_id=0)
+    store = store_in(tmp_path)
     store.write(sample_state(2))
 
     def broken_savez(handle, **arrays):
@@ -114,62 +132,84 @@ def test_failed_write_keeps_the_previous_file_and_leaves_no_temporary(tmp_path, 
     with pytest.raises(OSError, match="disk full"):
         store.write(sample_state(3))
     assert_same_state(store.read(), sample_state(2))
-    assert os.listdir(store.path.parent) == ["partition-0.npz"]
+    assert os.listdir(tmp_path) == ["partition-0.npz"]
 
 
 def test_unreadable_file_is_an_error_not_a_fresh_start(tmp_path):
-    store = DurableState(tmp_path, run_id=1, partition_id=0)
-    store.path.parent.mkdir(parents=True)
-    store.path.write_bytes(b"not a zip file")
+    store = store_in(tmp_path)
+    store.path().write_bytes(b"not a zip file")
     with pytest.raises(DurableStateError, match="Move the file away"):
         store.read()
 
 
-def test_file_of_another_run_or_partition_is_refused(tmp_path):
-    DurableState(tmp_path, run_id=1, partition_id=0).write(sample_state())
-    other = DurableState(tmp_path, run_id=2, partition_id=0)
-    other.path.parent.mkdir(parents=True)
-    os.replace(tmp_path / "run-1" / "partition-0.npz", other.path)
-    with pytest.raises(DurableStateError, match="run 1 partition 0"):
+def test_file_of_another_partition_is_refused(tmp_path):
+    store_in(tmp_path, partition_id=0).write(sample_state())
+    other = store_in(tmp_path, partition_id=1)
+    os.replace(tmp_path / "partition-0.npz", other.path())
+    with pytest.raises(DurableStateError, match="partition 0"):
         other.read()
 
 
-# ------------------------------------------------------------- ClientState.load/commit
-def test_load_restores_an_empty_context_state_from_the_store(tmp_path):
-    store = DurableState(tmp_path, run_id=1, partition_id=0)
-    store.write(sample_state(3))
+def test_claim_removes_what_another_run_with_the_same_name_left(tmp_path):
+    store_in(tmp_path, token="old").write(sample_state(5))
+    store_in(tmp_path, token="old").write(sample_state(6), PENDING)
+    assert store_in(tmp_path, token="old").claim() is False  # its own files stay
+    assert store_in(tmp_path, token="new").claim() is True
+    assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------- the ledger
+@pytest.fixture(params=["memory", "files"])
+def ledger(request, tmp_path):
+    return ClientLedger(RecordDict(), store_in(tmp_path) if request.param == "files" else None)
+
+
+def decided(accepted_round: int, durable_through: int) -> Decisions:
+    return Decisions([accepted_round, 0], durable_through)
+
+
+def test_an_accepted_durable_reply_commits_the_staged_state(ledger):
+    ledger.stage(sample_state(1))
+    assert ledger.committed().round == 0  # nothing committed before the decision
+    state = ledger.settle(decided(1, 1), partition_id=0)
+    assert_same_state(state, sample_state(1))
+    assert_same_state(ledger.committed(), sample_state(1))
+    assert ledger.read(PENDING) is None
+
+
+def test_a_dropped_reply_discards_the_staged_state(ledger):
+    ledger.stage(sample_state(1))
+    ledger.settle(decided(1, 1), partition_id=0)
+    ledger.stage(sample_state(2))
+    state = ledger.settle(decided(1, 2), partition_id=0)  # round 2 was not aggregated
+    assert_same_state(state, sample_state(1))
+    assert ledger.read(PENDING) is None
+
+
+def test_an_accepted_reply_not_yet_checkpointed_is_used_but_not_committed(ledger):
+    ledger.stage(sample_state(1))
+    state = ledger.settle(decided(1, 0), partition_id=0)
+    assert_same_state(state, sample_state(1))
+    assert ledger.committed().round == 0
+    assert ledger.read(PENDING) is not None
+
+
+def test_a_stale_attempt_of_a_redone_round_is_discarded(ledger):
+    """The server restarted from its round-1 checkpoint while round 2 was running."""
+    ledger.stage(sample_state(1))
+    ledger.settle(decided(1, 1), partition_id=0)
+    ledger.stage(sample_state(2))
+    assert_same_state(ledger.settle(decided(1, 1), partition_id=0), sample_state(1))
+    assert ledger.read(PENDING) is None
+
+
+def test_memory_slots_never_leave_the_records_half_written():
     records = RecordDict()
-    loaded = ClientState.load(records, store)
-    assert_same_state(loaded, sample_state(3))
-    # ... and puts it back into context.state, so later messages find it in memory.
-    assert INFO in records and PERSONAL in records and LOCAL_REFERENCE in records
-    assert_same_state(ClientState.load(records), sample_state(3))
-
-
-def test_memory_wins_over_the_file_while_the_supernode_runs(tmp_path):
-    store = DurableState(tmp_path, run_id=1, partition_id=0)
-    store.write(sample_state(1))
-    records = RecordDict()
-    sample_state(5).commit(records)
-    assert ClientState.load(records, store).rounds_trained == 5
-
-
-def test_commit_writes_the_file_and_memory(tmp_path):
-    store = DurableState(tmp_path, run_id=1, partition_id=0)
-    records = RecordDict()
-    sample_state(2).commit(records, store)
-    assert_same_state(store.read(), sample_state(2))
-    assert_same_state(ClientState.load(records), sample_state(2))
-
-
-def test_commit_with_a_failing_store_leaves_memory_at_the_previous_round(tmp_path):
-    (tmp_path / "run-1").write_text("a file where the run folder should be")
-    store = DurableState(tmp_path, run_id=1, partition_id=0)
-    records = RecordDict()
-    sample_state(1).commit(records)
-    with pytest.raises(OSError):
-        sample_state(2).commit(records, store)
-    assert ClientState.load(records).rounds_trained == 1
+    sample_state(1).to_records(records, PENDING)
+    ClientState(round=2, rounds_trained=2).to_records(records, PENDING)  # no arrays
+    state = ClientState.from_records(records, PENDING)
+    assert state.personal is None and state.round == 2
+    assert ClientState.from_records(records, COMMITTED) is None
 
 
 # ------------------------------------------------------- the ClientApp across a restart
@@ -188,11 +228,14 @@ def round_inputs():
 
 
 def train_message(server_round: int, shared, u_bar, node_id: int) -> Message:
+    """Round ``server_round``; every earlier reply of both clients was aggregated."""
     content = RecordDict({
         ARRAYS: to_record(shared),
         GLOBAL_REFERENCE: to_record(u_bar),
         "config": ConfigRecord({"server-round": server_round, "num-clients": 2,
-                                "deployment": True}),
+                                "deployment": True, "run-token": "t",
+                                "accepted-rounds": [server_round - 1] * 2,
+                                "durable-through": server_round - 1}),
     })
     return Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN)
 
@@ -233,14 +276,10 @@ def test_restarted_client_with_state_dir_trains_as_if_never_restarted(tmp_path, 
     for key, value in from_record(uninterrupted.content.array_records[ARRAYS]).items():
         np.testing.assert_array_equal(
             from_record(restarted.content.array_records[ARRAYS])[key], value)
-    store = DurableState(tmp_path / "b" / "state", run_id=1, partition_id=0)
-    saved = store.read()
-    assert saved.rounds_trained == 2
-    in_memory = ClientState.load(grid.state(0))
-    assert_same_state(saved, in_memory)
-    messages = [r.getMessage() for r in flwr_log]
-    assert any("Restored the client state of run 1, partition 0" in m
-               and "(1 rounds trained)" in m for m in messages)
+    store = DurableState(tmp_path / "b" / "state" / "digits-cnn-fedrep+fedspc-a0.5-s0",
+                         "digits-cnn-fedrep+fedspc-a0.5-s0", 0, "t")
+    assert store.read().round == 1 and store.read(PENDING).round == 2
+    assert ClientState.from_records(grid.state(0)) is None  # files only, no copy in memory
 
 
 def test_restarted_client_without_state_dir_starts_over_and_warns(tmp_path, flwr_log):
@@ -252,8 +291,8 @@ def test_restarted_client_without_state_dir_starts_over_and_warns(tmp_path, flwr
         for key, value in from_record(uninterrupted.content.array_records[ARRAYS]).items()]
     assert any(differs)  # u_k = 0 and the initial head again: a different round
     warnings = [r.getMessage() for r in flwr_log if r.levelno == logging.WARNING]
-    assert any("lives only in this SuperNode's memory" in m and "u_k = 0" in m
-               for m in warnings)
+    assert any("lives only in this SuperNode's memory" in m for m in warnings)  # round 1
+    assert any("was lost" in m and "u_k = 0" in m and "round 1" in m for m in warnings)
 
 
 def test_no_memory_only_warning_in_simulation(tmp_path, flwr_log):
@@ -265,14 +304,17 @@ def test_no_memory_only_warning_in_simulation(tmp_path, flwr_log):
     assert not [r for r in flwr_log if r.levelno >= logging.WARNING]
 
 
-def test_failed_round_leaves_the_state_file_untouched(tmp_path):
+def test_a_failed_round_settles_the_decision_but_stages_nothing(tmp_path):
     grid = InProcessGrid(client_app.app, 2, RUN_CONFIG)
     grid.contexts[1].node_config["state-dir"] = str(tmp_path)
     shared, u_bar, _ = round_inputs()
     assert not grid.deliver(train_message(1, shared, u_bar, node_id=1)).has_error()
-    store = DurableState(tmp_path, run_id=1, partition_id=0)
-    before = store.path.read_bytes()
-    broken = train_message(2, shared, u_bar, node_id=1)
+    assert not grid.deliver(train_message(2, shared, u_bar, node_id=1)).has_error()
+    folder = tmp_path / "digits-cnn-fedrep+fedspc-a0.5-s0"
+    round_2 = (folder / "partition-0.pending.npz").read_bytes()
+    broken = train_message(3, shared, u_bar, node_id=1)  # says: round 2 was aggregated
     broken.content[GLOBAL_REFERENCE] = ArrayRecord()  # the client cannot train with this
     assert grid.deliver(broken).has_error()
-    assert store.path.read_bytes() == before
+    # Round 2 is committed (the server's decision stands); the failed round 3 left nothing.
+    assert sorted(p.name for p in folder.iterdir()) == ["partition-0.npz"]
+    assert (folder / "partition-0.npz").read_bytes() == round_2

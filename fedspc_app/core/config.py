@@ -96,6 +96,13 @@ class RunConfig:
     output_dir: str = "results"
     run_name: str = ""
 
+    # Faults: checkpoints, resuming, the round failure policy
+    checkpoint: bool = True
+    resume: bool = False
+    min_train_replies: float = 0.5
+    max_failed_rounds: int = 3
+    round_timeout: float = 3600.0
+
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------------ helpers
@@ -219,6 +226,13 @@ def validate(config: RunConfig) -> RunConfig:
     _at_least("ditto-lambda", config.ditto_lambda, 0.0)
     _at_least("ditto-personal-epochs", config.ditto_personal_epochs, 1)
     _at_least("vit-embed-dim", config.vit_embed_dim, 12)
+    _at_least("max-failed-rounds", config.max_failed_rounds, 1)
+    _at_least("round-timeout", config.round_timeout, 0.0, strict=True)
+    if not 0.0 < config.min_train_replies <= 1.0:
+        raise ConfigError("run-config 'min-train-replies' must be in (0, 1], "
+                          f"got {config.min_train_replies!r}")
+    if config.resume and not config.checkpoint:
+        raise ConfigError("run-config 'resume = true' needs 'checkpoint = true'")
     if not 0.0 < config.fraction_train <= 1.0 or not math.isfinite(config.fraction_train):
         raise ConfigError(
             f"run-config 'fraction-train' must be in (0, 1], got {config.fraction_train!r}"

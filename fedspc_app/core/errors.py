@@ -11,3 +11,7 @@ class ConfigError(FedSPCError, ValueError):
 
 class DataError(FedSPCError, RuntimeError):
     """A dataset is missing, corrupt or cannot be partitioned as asked."""
+
+
+class DivergenceError(FedSPCError, FloatingPointError):
+    """Local training produced a non-finite loss or parameter."""

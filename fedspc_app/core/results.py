@@ -32,7 +32,7 @@ from fedspc_app.core.files import atomic_write
 SCALAR_COLUMNS = (
     "round", "accuracy", "weighted-accuracy", "loss", "train-loss", "clients",
     "train-clients", "bytes-sent", "bytes-received", "train-images", "images-per-second",
-    "round-seconds", "elapsed-seconds",
+    "round-seconds", "elapsed-seconds", "failed", "train-dropped", "evaluate-dropped",
 )
 
 
@@ -136,16 +136,31 @@ class RunRecorder:
         self.last = self.started
 
     # ------------------------------------------------------------------ files
-    def start(self, extra: Mapping[str, Any] | None = None) -> None:
-        """Create the run folder and write the resolved config (after validation)."""
+    def start(self, extra: Mapping[str, Any] | None = None, *,
+              rounds: list[dict[str, Any]] | None = None, elapsed: float = 0.0) -> None:
+        """Create the run folder and write the resolved config (after validation).
+
+        A resumed run passes the rounds and the wall time of its checkpoint.
+        """
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for stale in ("metrics.json", "metrics.csv", "summary.json"):
             (self.run_dir / stale).unlink(missing_ok=True)
         payload = {"run-config": self.config.to_dict(), **(extra or {})}
         atomic_write(self.run_dir / "config.json",
                      json.dumps(payload, indent=2, default=_json_default))
-        self.started = self.last = time.perf_counter()
-        self.echo(f"Results: {self.run_dir}")
+        self.rounds = [dict(row) for row in rounds or []]
+        self.started = time.perf_counter() - elapsed
+        self.last = time.perf_counter()
+        if self.rounds:
+            self._write_metrics()
+            self.echo(f"Results: {self.run_dir} (resumed after round "
+                      f"{self.rounds[-1]['round']})")
+        else:
+            self.echo(f"Results: {self.run_dir}")
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
 
     def _write_metrics(self, summary: Mapping[str, Any] | None = None) -> None:
         payload = {"run-name": self.config.resolved_run_name, "rounds": self.rounds}
@@ -163,7 +178,8 @@ class RunRecorder:
 
     # ---------------------------------------------------------------- rounds
     def on_round_end(self, server_round: int, train: MetricRecord | None,
-                     evaluate: MetricRecord | None) -> None:
+                     evaluate: MetricRecord | None, report: Any = None) -> None:
+        """Record one round (``report``: a :class:`strategies.RoundReport`)."""
         now = time.perf_counter()
         sent, received = self.traffic.take() if self.traffic else (0, 0)
         seconds = now - self.last
@@ -175,6 +191,12 @@ class RunRecorder:
             "bytes-received": received,
         }
         self.last = now
+        if report is not None and report.server_round == server_round:
+            row["failed"] = int(report.failed)
+            row["train-dropped"] = report.dropped
+            row["evaluate-dropped"] = report.evaluate_dropped
+            if report.reasons:
+                row["dropped-reasons"] = list(report.reasons)
         if train is not None:
             row["train-loss"] = _clean(float(train.get("train-loss", float("nan"))))
             row["train-clients"] = int(train.get("clients", 0))
@@ -202,6 +224,8 @@ class RunRecorder:
         eta = format_duration(mean * (total - done))
         acc = row.get("accuracy")
         acc_text = "n/a" if acc is None else f"{100 * acc:6.2f}%"
+        if row.get("failed"):
+            acc_text = f"FAILED ({row['train-dropped']} unusable replies)"
         loss = row.get("loss")
         loss_text = "n/a" if loss is None else f"{loss:.4f}"
         return (f"[{self.config.label}] round {done:>{len(str(total))}}/{total}"

@@ -16,6 +16,7 @@ every hook.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,6 +24,8 @@ from typing import Protocol
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from fedspc_app.core.errors import DivergenceError
 
 Batches = Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]]
 """A callable returning a fresh iterator over one epoch of (images, labels)."""
@@ -108,7 +111,10 @@ def train_epochs(
     BatchNorm statistics follow the data even for frozen blocks.
 
     Returns the number of optimizer steps taken, the examples seen and the summed
-    (data) loss. ``loss_fn`` must return the mean loss of a batch.
+    (data) loss. ``loss_fn`` must return the mean loss of a batch. A non-finite loss
+    (checked every step) or trainable parameter (checked after every epoch) raises
+    :class:`DivergenceError` naming the step; a non-finite gradient shows up as one
+    of the two.
     """
     named = dict(model.named_parameters())
     trainable = set(trainable)
@@ -130,7 +136,7 @@ def train_epochs(
             weight_decay=weight_decay,
         )
         model.train()
-        for _ in range(epochs):
+        for epoch in range(epochs):
             for images, labels in batches():
                 loss = loss_fn(model(images), labels)
                 optimizer.zero_grad(set_to_none=True)
@@ -139,12 +145,23 @@ def train_epochs(
                     hook(named)
                 optimizer.step()
                 steps += 1
+                value = loss.item()
+                if not math.isfinite(value):
+                    raise DivergenceError(f"loss {value} at step {steps}")
                 examples += labels.shape[0]
-                loss_sum += loss.item() * labels.shape[0]
+                loss_sum += value * labels.shape[0]
+            _check_finite(named, trainable, f"after epoch {epoch + 1} (step {steps})")
     finally:
         for name, parameter in named.items():
             parameter.requires_grad_(previous[name])
     return EpochsResult(steps, examples, loss_sum)
+
+
+@torch.no_grad()
+def _check_finite(named: Mapping[str, nn.Parameter], keys: Iterable[str], when: str) -> None:
+    for name in keys:
+        if not bool(torch.isfinite(named[name]).all()):
+            raise DivergenceError(f"parameter {name!r} is not finite {when}")
 
 
 @torch.no_grad()

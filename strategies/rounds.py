@@ -1,0 +1,76 @@
+"""The round loop, with a failure policy and a hook for checkpoints.
+
+Flower's ``Strategy.start`` always runs rounds 1..N; this loop can start at any
+round (a resumed run), lets a round fail without ending the run, and calls back
+after each round's aggregation (``on_trained``: the point where a checkpoint makes
+the round's decisions durable) and after its evaluation (``on_round_end``). The
+strategy hooks it calls are Flower's: configure/aggregate train and evaluate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from logging import INFO
+
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+from fedspc_app.core.errors import FedSPCError
+from strategies.personalized import RoundReport
+
+Trained = Callable[[int, ArrayRecord, MetricRecord | None, RoundReport], None]
+RoundEnd = Callable[[int, MetricRecord | None, MetricRecord | None, RoundReport | None], None]
+
+
+class TooManyFailedRounds(FedSPCError):
+    """``max-failed-rounds`` rounds in a row failed."""
+
+
+def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
+               first_round: int = 1, evaluate_first: bool = False, timeout: float = 3600.0,
+               train_config: ConfigRecord | None = None,
+               evaluate_config: ConfigRecord | None = None,
+               max_failed_rounds: int = 3, failed_streak: int = 0,
+               resumed_train_metrics: MetricRecord | None = None,
+               on_trained: Trained | None = None,
+               on_round_end: RoundEnd | None = None) -> ArrayRecord:
+    """Run rounds ``first_round..num_rounds``; return the final shared block.
+
+    ``evaluate_first`` resumes a round whose aggregation was checkpointed but whose
+    evaluation was not (``resumed_train_metrics``: that aggregation's metrics). A failed round (too few usable replies) keeps the shared
+    block, skips evaluation and counts towards ``max_failed_rounds`` in a row.
+    """
+    train_config = train_config if train_config is not None else ConfigRecord()
+    evaluate_config = evaluate_config if evaluate_config is not None else ConfigRecord()
+    for server_round in range(first_round, num_rounds + 1):
+        log(INFO, "[ROUND %d/%d]", server_round, num_rounds)
+        train_metrics = resumed_train_metrics
+        if not (evaluate_first and server_round == first_round):
+            replies = grid.send_and_receive(
+                strategy.configure_train(server_round, arrays, train_config, grid),
+                timeout=timeout)
+            aggregated, train_metrics = strategy.aggregate_train(server_round, replies)
+            report = strategy.report
+            if aggregated is not None:
+                arrays = aggregated
+            failed_streak = failed_streak + 1 if report.failed else 0
+            if on_trained is not None:
+                on_trained(server_round, arrays, train_metrics, report)
+            strategy.durable_through = server_round
+            if report.failed:
+                if on_round_end is not None:
+                    on_round_end(server_round, None, None, report)
+                if failed_streak >= max_failed_rounds:
+                    raise TooManyFailedRounds(
+                        f"{failed_streak} rounds in a row failed (max-failed-rounds = "
+                        f"{max_failed_rounds}); the last: " + "; ".join(report.reasons[:5]))
+                continue
+        replies = grid.send_and_receive(
+            strategy.configure_evaluate(server_round, arrays, evaluate_config, grid),
+            timeout=timeout)
+        evaluate_metrics = strategy.aggregate_evaluate(server_round, replies)
+        if on_round_end is not None:
+            on_round_end(server_round, train_metrics, evaluate_metrics, strategy.report)
+        evaluate_first = False
+    return arrays

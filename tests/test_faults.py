@@ -1,0 +1,304 @@
+"""Faults injected into real runs of the ServerApp and ClientApp (in one process).
+
+A test-only wrapper around the ClientApp (:class:`Faulty`) makes chosen nodes
+raise, reply with NaN arrays or wrong shapes, diverge, or send broken evaluation
+replies; :class:`Crashing` stops the whole run at a chosen message, as a killed
+process would. The product's config and code are the real ones.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Array, Context, Message, MessageType, RecordDict
+from inprocess import InProcessGrid
+
+from clients.state import COMMITTED, PENDING, ClientState
+from fedspc_app import client_app, server_app
+from fedspc_app.client_app import check_node_config
+from fedspc_app.core.checkpoint import CHECKPOINT_JSON
+from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.task import from_record
+from strategies.fedspc import GLOBAL_REFERENCE
+from strategies.personalized import ARRAYS, METRICS
+
+K = 3
+BASE = {"method": "fedrep", "fedspc": True, "num-rounds": 3, "local-epochs": 1,
+        "batch-size": 64, "alpha": 0.5, "min-train-replies": 0.5, "checkpoint": False}
+
+Fault = Callable[[Message], Message]
+
+
+class Faulty:
+    """The ClientApp, except that ``faults[(node, round, kind)]`` rewrites a reply
+    (or raises) for that node, round and message kind ("train" or "evaluate")."""
+
+    def __init__(self, faults: dict[tuple[int, int, str], Fault | Exception]) -> None:
+        self.faults = faults
+
+    def __call__(self, message: Message, context: Context) -> Message:
+        config = message.content.config_records["config"]
+        kind = "train" if message.metadata.message_type == MessageType.TRAIN else "evaluate"
+        fault = self.faults.get((message.metadata.dst_node_id, int(config["server-round"]),
+                                 kind))
+        if isinstance(fault, Exception):
+            raise fault
+        reply = client_app.app(message, context)
+        return fault(reply) if fault is not None else reply
+
+
+class Recording(InProcessGrid):
+    """Keeps, at the start of every training round, ū as broadcast and each client's
+    committed state (what the invariant compares)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.snapshots: dict[int, tuple[dict, list[ClientState | None]]] = {}
+
+    def deliver(self, message: Message) -> Message:
+        config = message.content.config_records["config"]
+        server_round = int(config["server-round"])
+        if (message.metadata.message_type == MessageType.TRAIN
+                and server_round not in self.snapshots
+                and GLOBAL_REFERENCE in message.content.array_records):
+            self.snapshots[server_round] = (
+                from_record(message.content.array_records[GLOBAL_REFERENCE]),
+                [ClientState.from_records(self.state(p), COMMITTED) for p in range(K)])
+        return super().deliver(message)
+
+
+def run(tmp: Path, client=None, grid_type=InProcessGrid, **overrides):
+    run_config = {**BASE, "output-dir": str(tmp), "run-name": "run",
+                  **{key.replace("_", "-"): value for key, value in overrides.items()}}
+    grid = grid_type(client or client_app.app, K, run_config)
+    error = None
+    try:
+        server_app.main(grid, Context(run_id=1, node_id=0, node_config={},
+                                      state=RecordDict(), run_config=run_config))
+    except SystemExit as exit_:
+        error = str(exit_)
+    metrics = json.loads((tmp / "run" / "metrics.json").read_text())
+    return grid, metrics["rounds"], error
+
+
+def broadcast(grid: InProcessGrid, server_round: int, kind=MessageType.TRAIN) -> dict:
+    for message in grid.sent:
+        config = message.content.config_records["config"]
+        if message.metadata.message_type == kind and config["server-round"] == server_round:
+            return from_record(message.content.array_records[ARRAYS])
+    raise AssertionError(f"no {kind} message in round {server_round}")
+
+
+def all_finite(arrays: dict) -> bool:
+    return all(np.all(np.isfinite(v)) for v in arrays.values())
+
+
+def nan_arrays(reply: Message) -> Message:
+    record = reply.content.array_records[ARRAYS]
+    key = next(iter(record.keys()))
+    value = record[key].numpy().copy()
+    value.flat[0] = np.nan
+    record[key] = Array(value)
+    return reply
+
+
+def wrong_shape(reply: Message) -> Message:
+    record = reply.content.array_records[ARRAYS]
+    key = next(iter(record.keys()))
+    record[key] = Array(np.zeros((2, 2), dtype=np.float32))
+    return reply
+
+
+def broken_evaluation(reply: Message) -> Message:
+    metrics = reply.content.metric_records[METRICS]
+    del metrics["correct"]
+    return reply
+
+
+def nan_loss(reply: Message) -> Message:
+    reply.content.metric_records[METRICS]["loss-sum"] = float("nan")
+    return reply
+
+
+@pytest.fixture
+def tmp(tmp_path):
+    return tmp_path
+
+
+@pytest.mark.parametrize("fault,reason", [
+    (RuntimeError("injected"), "client error: RuntimeError: injected"),
+    (nan_arrays, "holds non-finite values"),
+    (wrong_shape, "has shape (2, 2)"),
+])
+def test_a_faulty_train_reply_is_dropped_and_its_state_not_committed(tmp, fault, reason):
+    faulty = Faulty({(2, 2, "train"): fault})
+    grid, rounds, error = run(tmp, faulty, Recording)
+    assert error is None
+    assert [r["failed"] for r in rounds] == [0, 0, 0]
+    assert [r["train-dropped"] for r in rounds] == [0, 1, 0]
+    assert any(reason in text for text in rounds[1]["dropped-reasons"])
+    for server_round in (1, 2, 3):
+        assert all_finite(broadcast(grid, server_round))
+    # Node 2 (partition 1) stands where it stood before round 2; the others moved on.
+    _, states = grid.snapshots[3]
+    assert states[1].round == 1 and states[1].rounds_trained == 1
+    assert [states[0].round, states[2].round] == [2, 2]
+    assert ClientState.from_records(grid.state(1), PENDING) is None
+
+
+def test_u_bar_is_the_mean_of_the_committed_local_references_after_a_drop(tmp):
+    grid, _, _ = run(tmp, Faulty({(2, 2, "train"): nan_arrays}), Recording)
+    for server_round in (2, 3):
+        u_bar, states = grid.snapshots[server_round]
+        for key, value in u_bar.items():
+            mean = np.mean([s.local_reference[key] for s in states], axis=0)
+            np.testing.assert_allclose(value, mean, rtol=1e-5, atol=1e-7, err_msg=key)
+    # The invariant has teeth: the dropped client's round-2 reference change differs.
+    u_bar, states = grid.snapshots[3]
+    assert states[1].round == 1
+
+
+def test_a_diverging_client_reports_where_and_commits_nothing(tmp):
+    def diverge(message, context):
+        if message.metadata.dst_node_id == 3:
+            context.run_config["learning-rate"] = 1e6
+        return client_app.app(message, context)
+
+    grid, rounds, error = run(tmp, diverge)
+    assert error is None
+    reasons = " ".join(rounds[0]["dropped-reasons"])
+    assert "DivergenceError: client 2 diverged in round 1" in reasons
+    assert "step" in reasons
+    assert [r["train-dropped"] for r in rounds] == [1, 1, 1]
+    assert ClientState.from_records(grid.state(2), COMMITTED) is None
+    assert ClientState.from_records(grid.state(2), PENDING) is None
+
+
+@pytest.mark.parametrize("fault", [broken_evaluation, nan_loss, RuntimeError("eval")])
+def test_a_bad_evaluation_reply_is_dropped_and_counted(tmp, fault):
+    _, rounds, error = run(tmp, Faulty({(1, 2, "evaluate"): fault}))
+    assert error is None
+    assert [r["evaluate-dropped"] for r in rounds] == [0, 1, 0]
+    assert [r["clients"] for r in rounds] == [3, 2, 3]
+    assert all(np.isfinite(r["accuracy"]) for r in rounds)
+    assert rounds[1]["accuracy"] == pytest.approx(
+        np.mean(list(rounds[1]["client-accuracy"].values())))
+
+
+def test_a_round_below_the_threshold_fails_and_keeps_the_model(tmp):
+    faults = {(node, 2, "train"): RuntimeError("down") for node in (1, 2)}
+    grid, rounds, error = run(tmp, Faulty(faults), Recording)
+    assert error is None
+    assert [r["failed"] for r in rounds] == [0, 1, 0]
+    assert rounds[1].get("accuracy") is None and rounds[2]["accuracy"] > 0
+    # θ_s and ū stay as they were after round 1.
+    for key, value in broadcast(grid, 2).items():
+        np.testing.assert_array_equal(broadcast(grid, 3)[key], value)
+    u_bar_2, _ = grid.snapshots[2]
+    u_bar_3, states = grid.snapshots[3]
+    for key, value in u_bar_2.items():
+        np.testing.assert_array_equal(u_bar_3[key], value)
+    assert [s.round for s in states] == [1, 1, 1]  # the one good reply was discarded too
+
+
+def test_too_many_failed_rounds_stop_the_run_with_an_intact_checkpoint(tmp):
+    faults = {(node, r, "train"): RuntimeError("down") for node in (1, 2, 3) for r in (2, 3, 4)}
+    _, rounds, error = run(tmp, Faulty(faults), num_rounds=5, max_failed_rounds=2,
+                           checkpoint=True)
+    assert error is not None and "2 rounds in a row failed" in error
+    assert [r["failed"] for r in rounds] == [0, 1, 1]
+    summary = json.loads((tmp / "run" / "summary.json").read_text())
+    assert summary["complete"] is False
+    checkpoint = json.loads((tmp / "run" / CHECKPOINT_JSON).read_text())
+    assert checkpoint["round"] == 3 and checkpoint["failed-streak"] == 2
+    # ... and the run resumes from it once the clients are back.
+    _, rounds, error = run(tmp, num_rounds=5, max_failed_rounds=2, checkpoint=True,
+                           resume=True)
+    assert error is None
+    assert [r["failed"] for r in rounds] == [0, 1, 1, 0, 0]
+
+
+class Crash(Exception):
+    pass
+
+
+class Crashing(InProcessGrid):
+    """Dies (like a killed process) when it is about to deliver message ``crash_at``."""
+
+    crash_at: int | None = None
+
+    def deliver(self, message):
+        if self.crash_at is not None and len(self.sent) >= self.crash_at:
+            raise Crash
+        return super().deliver(message)
+
+
+def comparable(rounds: list[dict]) -> list[float]:
+    """Round, accuracy, loss, train loss and each client's accuracy, flat."""
+    return [value for r in rounds for value in (
+        r["round"], r["accuracy"], r["loss"], r["train-loss"],
+        *(r["client-accuracy"][pid] for pid in sorted(r["client-accuracy"])))]
+
+
+# 6 messages a round (3 train, 3 evaluate): the crash comes in the middle of round 2's
+# training (before its checkpoint) or of its evaluation (after the aggregation's).
+@pytest.mark.parametrize("crash_at", [8, 10])
+def test_a_crashed_run_resumes_to_the_same_metrics(tmp, crash_at):
+    overrides = {"checkpoint": True}
+    _, expected, _ = run(tmp / "a", **overrides)
+
+    def crashing(*args):
+        grid = Crashing(*args)
+        grid.crash_at = crash_at
+        return grid
+
+    with pytest.raises(Crash):
+        run(tmp / "b", grid_type=crashing, **overrides)
+    # A new grid: new contexts, as after a restart; the clients' state is on disk.
+    _, resumed, error = run(tmp / "b", resume=True, **overrides)
+    assert error is None
+    # Two runs in one process differ by kernel rounding noise (~1e-8) only.
+    assert comparable(resumed) == pytest.approx(comparable(expected), rel=1e-5)
+    assert not (tmp / "b" / "run" / "client-state").exists()  # removed once complete
+
+
+def test_a_checkpoint_of_another_config_is_refused(tmp):
+    run(tmp, checkpoint=True, num_rounds=1)
+    identity_seed = {**BASE, "seed": 1}
+    with pytest.raises(SystemExit, match="belongs to another run .*seed: checkpoint 0, "
+                                         "run-config 1"):
+        run_config = {**identity_seed, "checkpoint": True, "resume": True, "num-rounds": 2,
+                      "output-dir": str(tmp), "run-name": "run"}
+        server_app.main(InProcessGrid(client_app.app, K, run_config),
+                        Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                run_config=run_config))
+
+
+@pytest.mark.parametrize("node_config,message", [
+    ({"partition-id": 0, "num-partitions": 2, "state_dir": "/x"},
+     "unknown node-config key 'state_dir' (did you mean: state-dir?)"),
+    ({"partition-id": 0, "num-partitions": 2, "datadir": "/x"}, "did you mean: data-dir"),
+    ({"partition-id": "one", "num-partitions": 2}, "'partition-id' must be an integer"),
+    ({"partition-id": 2, "num-partitions": 2}, "is not in [0, num-partitions=2)"),
+    ({"partition-id": 0}, "lacks num-partitions"),
+    ({"partition-id": 0, "num-partitions": 2, "state-dir": 3}, "must be a quoted path"),
+])
+def test_node_config_is_validated(node_config, message):
+    with pytest.raises(ConfigError) as info:
+        check_node_config(node_config)
+    assert message in str(info.value)
+
+
+def test_a_valid_node_config():
+    assert check_node_config({"partition-id": 1, "num-partitions": 2,
+                              "data-dir": "/d", "state-dir": "/s"}) == (1, 2)
+
+
+def test_dropped_reply_reasons_are_plain_strings_in_metrics(tmp):
+    _, rounds, _ = run(tmp, Faulty({(1, 1, "train"): RuntimeError("x")}), num_rounds=1)
+    assert all(isinstance(text, str) for text in rounds[0]["dropped-reasons"])
+
