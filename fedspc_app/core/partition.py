@@ -169,43 +169,16 @@ class Partition:
         return counts.copy()
 
     def train_counts(self) -> np.ndarray:
-        """Training images per client and class.
-
-        Returns
-        -------
-        numpy.ndarray
-            ``int64`` array of shape ``[num_clients, num_classes]``.
-        """
+        """Training images per client and class, ``int64 [num_clients, num_classes]``."""
         return self._counts("train")
 
     def test_counts(self) -> np.ndarray:
-        """Test images per client and class.
-
-        Returns
-        -------
-        numpy.ndarray
-            ``int64`` array of shape ``[num_clients, num_classes]``.
-        """
+        """Test images per client and class, ``int64 [num_clients, num_classes]``."""
         return self._counts("test")
 
     def client(self, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
-        """Training and test indices of one client.
-
-        Parameters
-        ----------
-        partition_id : int
-            Client number in ``[0, num_clients)``.
-
-        Returns
-        -------
-        tuple of numpy.ndarray
-            ``(train_indices, test_indices)``, both sorted read-only ``int64``.
-
-        Raises
-        ------
-        ConfigError
-            If ``partition_id`` is not an integer in ``[0, num_clients)``.
-        """
+        """``(train_indices, test_indices)`` of client ``partition_id`` (sorted,
+        read-only ``int64``); ConfigError unless it is an integer in ``[0, num_clients)``."""
         if (
             isinstance(partition_id, bool)
             or not isinstance(partition_id, numbers.Integral)
@@ -268,19 +241,9 @@ def _check_labels(name: str, labels: Any) -> np.ndarray:
 
 
 def _split_counts(proportions: np.ndarray, class_sizes: np.ndarray) -> np.ndarray:
-    """Images of each class given to each client.
-
-    Class ``c`` with ``n_c`` images is cut at boundaries
-    ``rint(cumsum(p_c) * n_c)`` (round half to even), the last boundary forced
-    to ``n_c``. Boundaries are non-decreasing, so every image goes to exactly
-    one client, and each boundary is within 0.5 of its exact value, so client
-    ``k`` receives within 1 image of ``p_ck * n_c``.
-
-    Returns
-    -------
-    numpy.ndarray
-        ``int64`` array ``[num_classes, num_clients]``.
-    """
+    """Images of each class per client, ``int64 [num_classes, num_clients]``: class ``c``
+    is cut at ``rint(cumsum(p_c) * n_c)``, so every image goes to one client and client
+    ``k`` receives within 1 image of ``p_ck * n_c``."""
     sizes = class_sizes.astype(np.int64)[:, None]
     bounds = np.rint(np.cumsum(proportions, axis=1) * sizes).astype(np.int64)
     bounds = np.minimum(bounds, sizes)
