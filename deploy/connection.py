@@ -39,27 +39,13 @@ def flwr_home(env: dict[str, str] | None = None) -> Path:
 def write_connection(home: str | os.PathLike[str], name: str, address: str, *,
                      root_certificates: str | os.PathLike[str] | None = None,
                      insecure: bool = False, default: bool = True) -> Path:
-    """Add or replace the SuperLink connection ``name`` in ``<home>/config.toml``.
+    """Add or replace the connection ``name`` (as in ``flwr run . <name>``) in
+    ``<home>/config.toml``; return that file.
 
-    Parameters
-    ----------
-    home : path-like
-        The ``FLWR_HOME`` folder (created if missing).
-    name : str
-        Connection name, as given to ``flwr run . <name>``.
-    address : str
-        The SuperLink's ``host:port``; with TLS the host must be in its certificate.
-    root_certificates : path-like, optional
-        The deployment's CA certificate; stored as an absolute path.
-    insecure : bool
-        Plain HTTP (a SuperLink started with ``--insecure``).
-    default : bool
-        Also make it the connection used when ``flwr`` is given none.
-
-    Returns
-    -------
-    Path
-        The config file.
+    ``address`` is the SuperLink's ``host:port`` (with TLS, a host in its
+    certificate); give either the deployment's CA certificate (stored as an
+    absolute path) or ``insecure=True``. ``default`` also makes it the connection
+    ``flwr`` uses when given none.
     """
     if insecure == (root_certificates is not None):
         raise ValueError("give exactly one of root_certificates and insecure=True")

@@ -33,21 +33,34 @@ from deploy.pki import (
     create_node_key,
 )
 from deploy.processes import (
-    OwnedProcess,
     run_flwr,
     superlink_process,
     supernode_process,
     wait_healthy,
 )
 from fedspc_app.core.config import parse_run_config
-from fedspc_app.launch.processes import free_port
+from fedspc_app.core.errors import FedSPCError
+from fedspc_app.launch.cli import (
+    BAD_INPUT,
+    FAILED,
+    RUN_ERRORS,
+    add_run_config_arguments,
+    fail,
+)
+from fedspc_app.launch.processes import (
+    LaunchFailed,
+    OwnedProcess,
+    exit_on_termination,
+    free_port,
+    launch_failed,
+)
 from fedspc_app.launch.runconfig import (
     APP_DIR,
     app_defaults,
-    parse_assignments,
-    read_toml,
+    check_resources,
+    load_overrides,
 )
-from fedspc_app.launch.superlink import SimulationFailed, submit_and_check
+from fedspc_app.launch.superlink import run_simulation, simulation, submit_and_check
 
 CONNECTION = "fedspc-loopback"
 CONNECTED = "SuperNode ID:"  # what a SuperNode logs once the SuperLink accepted it
@@ -121,7 +134,7 @@ class LoopbackDeployment:
         for key in self.keys:
             result = self.register(key.public_key)
             if result.returncode != 0:
-                raise RuntimeError(f"registering {key.public_key} failed:\n{result.stdout}")
+                raise LaunchFailed(f"registering {key.public_key} failed:\n{result.stdout}")
         for partition_id in range(self.num_nodes):
             self.start_node(partition_id)
         for partition_id in range(self.num_nodes):
@@ -185,8 +198,8 @@ class LoopbackDeployment:
     def wait_connected(self, partition_id: int, timeout: float = 120.0) -> None:
         node = self.nodes[partition_id]
         if not node.wait_for_log(CONNECTED, timeout):
-            raise RuntimeError(f"SuperNode {partition_id} did not connect within "
-                               f"{timeout:.0f} s; see {node.log_file}")
+            raise launch_failed(f"SuperNode {partition_id} did not connect within "
+                                f"{timeout:.0f} s", node.log_file)
 
     # ----------------------------------------------------------------- flwr CLI
     def flwr(self, *args: str, timeout: float = 120.0):
@@ -201,7 +214,7 @@ class LoopbackDeployment:
         """IDs of the SuperNodes the SuperLink lists as online."""
         result = self.flwr("supernode", "list", CONNECTION, "--format", "json")
         if result.returncode != 0:
-            raise RuntimeError(f"flwr supernode list failed:\n{result.stdout}")
+            raise LaunchFailed(f"flwr supernode list failed:\n{result.stdout}")
         text = result.stdout
         listing = json.loads(text[text.index("{"):text.rindex("}") + 1])
         return [int(node["node-id"]) for node in listing.get("nodes", [])
@@ -223,12 +236,8 @@ class LoopbackDeployment:
 
     def run(self, run_config: Mapping[str, Any], *, log_file: Path,
             timeout: float = 900.0) -> dict[str, Any]:
-        """Validate, submit and wait for one run; return its ``summary.json``.
-
-        ``num-clients`` defaults to the number of SuperNodes. Like
-        :func:`fedspc_app.simulate.run_simulation`, success is a complete summary
-        written by this run (``flwr run`` exits 0 even when the ServerApp failed).
-        """
+        """Validate, submit and wait for one run (``num-clients`` defaults to the number
+        of SuperNodes); its ``summary.json``, see :func:`submit_and_check`."""
         return submit_and_check(
             {"num-clients": self.num_nodes, **run_config},
             lambda merged: self.submit(merged, log_file=log_file, timeout=timeout),
@@ -245,8 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deploy.loopback",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=2, help="SuperNodes (= num-clients)")
-    parser.add_argument("--run-config", help="TOML file of run-config overrides")
-    parser.add_argument("--set", default="", help='overrides, e.g. "num-rounds=3 fedspc=true"')
+    add_run_config_arguments(parser)
     parser.add_argument("--insecure", action="store_true", help="no TLS, no node auth")
     parser.add_argument("--workdir", help="keep certificates, logs and state here")
     parser.add_argument("--compare-simulation", action="store_true",
@@ -254,35 +262,36 @@ def main(argv: list[str] | None = None) -> int:
                              "print both per-round times")
     parser.add_argument("--timeout", type=float, default=1800.0)
     args = parser.parse_args(argv)
-    run_config = read_toml(args.run_config) if args.run_config else {}
-    run_config.update(parse_assignments(args.set))
+    try:
+        run_config = load_overrides(args.run_config, args.set)
+        check_resources(args.nodes, 1.0, 0.0)
+        name = parse_run_config({**app_defaults(), **run_config}).resolved_run_name
+    except FedSPCError as error:
+        return fail(error, BAD_INPUT)
+    output = Path(run_config.get("output-dir", "results")).resolve()
+    deployed = {**run_config, "output-dir": str(output), "run-name": f"{name}-deployed"}
+    simulated = {**run_config, "output-dir": str(output), "run-name": f"{name}-simulated",
+                 "num-clients": args.nodes}
     with contextlib.ExitStack() as stack:
         root = Path(args.workdir) if args.workdir else Path(
             stack.enter_context(tempfile.TemporaryDirectory(prefix="fedspc-loopback-")))
-        output = Path(run_config.get("output-dir", "results")).resolve()
-        name = str(run_config.get("run-name") or "") or parse_run_config(
-            {**app_defaults(), **run_config}).resolved_run_name
-        deployed = {**run_config, "output-dir": str(output), "run-name": f"{name}-deployed"}
         try:
-            with LoopbackDeployment(root, args.nodes, tls=not args.insecure,
-                                    node_auth=not args.insecure) as deployment:
-                print(f"SuperLink {deployment.address}, {args.nodes} SuperNodes; logs in {root}")
-                deployment.run(deployed, log_file=root / "run.log", timeout=args.timeout)
-        except (SimulationFailed, RuntimeError, TimeoutError) as error:
-            print(f"fedspc: {error}", file=sys.stderr)
-            return 1
-        times = round_seconds(output / f"{name}-deployed")
-        print(f"deployment: {len(times)} rounds, seconds per round {times}")
-        if args.compare_simulation:
-            from fedspc_app.launch.superlink import run_simulation, simulation
-
-            simulated = {**run_config, "output-dir": str(output), "run-name": f"{name}-simulated",
-                         "num-clients": args.nodes}
-            with simulation() as superlink:
-                run_simulation(simulated, superlink=superlink, clients=args.nodes,
-                               log_file=root / "simulation.log", timeout=args.timeout)
-            sim_times = round_seconds(output / f"{name}-simulated")
-            print(f"simulation: {len(sim_times)} rounds, seconds per round {sim_times}")
+            with exit_on_termination():
+                with LoopbackDeployment(root, args.nodes, tls=not args.insecure,
+                                        node_auth=not args.insecure) as deployment:
+                    print(f"SuperLink {deployment.address}, {args.nodes} SuperNodes; "
+                          f"logs in {root}")
+                    deployment.run(deployed, log_file=root / "run.log", timeout=args.timeout)
+                times = round_seconds(output / f"{name}-deployed")
+                print(f"deployment: {len(times)} rounds, seconds per round {times}")
+                if args.compare_simulation:
+                    with simulation() as superlink:
+                        run_simulation(simulated, superlink=superlink, clients=args.nodes,
+                                       log_file=root / "simulation.log", timeout=args.timeout)
+                    times = round_seconds(output / f"{name}-simulated")
+                    print(f"simulation: {len(times)} rounds, seconds per round {times}")
+        except RUN_ERRORS as error:
+            return fail(error, FAILED)
     return 0
 
 

@@ -30,26 +30,16 @@ import tomli_w
 
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.errors import FedSPCError
-from fedspc_app.launch.processes import console_script as _bin
-from fedspc_app.launch.runconfig import (
-    APP_DIR,
-    app_defaults,
-    parse_assignments,
-    read_toml,
-)
+from fedspc_app.launch.cli import BAD_INPUT, add_run_config_arguments, fail
+from fedspc_app.launch.processes import child_env, console_script
+from fedspc_app.launch.runconfig import APP_DIR, app_defaults, load_overrides
 
 
 def build_run_config(run_config_file: str | None, assignments: str,
                      clients: int | None) -> dict[str, Any]:
-    """The overrides to send: the preset, then ``assignments``, then ``num-clients``.
-
-    Raises
-    ------
-    FedSPCError
-        If the merged config is invalid or ``num-clients`` is missing.
-    """
-    overrides: dict[str, Any] = read_toml(run_config_file) if run_config_file else {}
-    overrides.update(parse_assignments(assignments))
+    """The overrides to send: the preset, then ``assignments``, then ``num-clients``;
+    a :class:`FedSPCError` if they are invalid or ``num-clients`` is missing."""
+    overrides = load_overrides(run_config_file, assignments)
     if clients is not None:
         overrides["num-clients"] = clients
     config = parse_run_config({**app_defaults(), **overrides})
@@ -65,27 +55,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--connection", default="",
                         help="flwr CLI connection name (default: the config's default)")
     parser.add_argument("--clients", type=int, help="number of SuperNodes (num-clients)")
-    parser.add_argument("--run-config", help="TOML preset, e.g. conf/cpu-cifar100-cnn.toml")
-    parser.add_argument("--set", default="", help='overrides, e.g. "method=\'fedrep\' '
-                        'fedspc=true"')
+    add_run_config_arguments(parser)
     parser.add_argument("--app", default=str(APP_DIR), help="the app folder (default: this "
                         "project)")
     args = parser.parse_args(argv)
     try:
         overrides = build_run_config(args.run_config, args.set, args.clients)
-    except (FedSPCError, OSError) as error:
-        print(f"fedspc: {error}", file=sys.stderr)
-        return 2
+    except FedSPCError as error:
+        return fail(error, BAD_INPUT)
     output_dir = str(overrides.get("output-dir", app_defaults()["output-dir"]))
     if not Path(output_dir).is_absolute():
         print(f"note: output-dir {output_dir!r} is relative to the SuperLink's working "
               "directory on the server machine", file=sys.stderr)
     with tempfile.NamedTemporaryFile("wb", suffix=".toml", delete=False) as handle:
         handle.write(tomli_w.dumps(overrides).encode())
-    command = [_bin("flwr"), "run", args.app, *([args.connection] if args.connection else []),
-               "--stream", "--run-config", handle.name]
+    connection = [args.connection] if args.connection else []
+    command = [console_script("flwr"), "run", args.app, *connection, "--stream",
+               "--run-config", handle.name]
     try:
-        return subprocess.call(command)
+        return subprocess.call(command, env=child_env())
     finally:
         os.unlink(handle.name)
 

@@ -20,31 +20,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fedspc_app.launch.runconfig import parse_assignments, read_toml  # noqa: E402
-from fedspc_app.launch.superlink import run_simulation, simulation  # noqa: E402
+from fedspc_app.core.errors import FedSPCError  # noqa: E402
+from fedspc_app.launch import cli  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-config", help="TOML preset (conf/*.toml)")
-    parser.add_argument("--set", default="", help="run-config overrides")
+    cli.add_run_config_arguments(parser)
+    cli.add_resource_arguments(parser)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--clients", type=int, default=10)
-    parser.add_argument("--client-cpus", type=float, default=1.0)
-    parser.add_argument("--client-gpus", type=float, default=0.0)
     parser.add_argument("--log", help="write the run's output here")
     args = parser.parse_args(argv)
+    try:
+        run_config = cli.simulation_overrides(args, **{"num-rounds": args.rounds})
+    except FedSPCError as error:
+        return cli.fail(error, cli.BAD_INPUT)
 
-    run_config = read_toml(args.run_config) if args.run_config else {}
-    run_config.update(parse_assignments(args.set))
     out = Path(tempfile.mkdtemp(prefix="fedspc-bench-"))
-    run_config.update({"num-rounds": args.rounds, "output-dir": str(out),
-                       "run-name": "benchmark"})
+    run_config.update({"output-dir": str(out), "run-name": "benchmark"})
     started = time.perf_counter()
-    with simulation() as superlink:
-        run_simulation(run_config, superlink=superlink, clients=args.clients,
-                       client_cpus=args.client_cpus, client_gpus=args.client_gpus,
-                       log_file=Path(args.log) if args.log else None)
+    code = cli.simulate_once(run_config, args, log_file=Path(args.log) if args.log else None)
+    if code:
+        return code
     total = time.perf_counter() - started
     rounds = json.loads((out / "benchmark" / "metrics.json").read_text())["rounds"]
 

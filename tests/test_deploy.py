@@ -8,10 +8,11 @@ Loopback tests start real processes (deploy/loopback.py): one SuperLink with TLS
 and SuperNode authentication and two SuperNodes with a state directory each, on
 free ports, with private FLWR_HOMEs, all stopped by PID at the end of the module;
 a Ray head and a Ray worker node for the simulation. One of them is in the
-default ``e2e`` set; the others carry the ``deploy`` marker (also run by default;
-deselect with ``-m "not deploy"``). Each message in a deployment starts a
-ClientApp process (importing torch) and waits for a ~3 s poll, so rounds take
-tens of seconds here: the runs are 2-3 rounds of one local epoch on digits.
+``e2e`` set, which the default ``pytest -q`` runs; the others carry the
+``deploy`` marker, which it leaves out (pyproject's addopts): run them with
+``pytest -m deploy``. Each message in a deployment starts a ClientApp process
+(importing torch) and waits for a ~3 s poll, so rounds take tens of seconds here:
+the runs are 2-3 rounds of one local epoch on digits.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -35,13 +35,7 @@ from clients.durable import DurableState
 from deploy.connection import write_connection
 from deploy.loopback import CONNECTED, LoopbackDeployment
 from deploy.pki import create_certificates, create_node_key
-from deploy.processes import (
-    _start_time,
-    free_port,
-    owned_processes,
-    ray_head_process,
-    ray_worker_process,
-)
+from deploy.processes import ray_head_process, ray_worker_process, wait_healthy
 from fedspc_app import client_app, server_app
 from fedspc_app import deployment as deployment_module
 from fedspc_app.client_app import node_run_config
@@ -54,6 +48,13 @@ from fedspc_app.core.task import (
     load_partition,
     make_model,
     parameter_split,
+)
+from fedspc_app.launch.processes import (
+    LaunchFailed,
+    OwnedProcess,
+    free_port,
+    owned_processes,
+    start_time,
 )
 from fedspc_app.launch.superlink import LocalSuperLink, run_simulation
 
@@ -184,25 +185,13 @@ def test_a_node_without_partition_config_is_named(cifar10_on_the_clients, deploy
 
 
 # ====================================================================== process tools
-def test_stopping_an_owned_process_ends_its_whole_tree(tmp_path):
-    from deploy.processes import OwnedProcess
-
-    # A child that leaves the session (as Flower's SuperExec does) and a grandchild.
-    script = ("import os, subprocess, sys, time\n"
-              "subprocess.Popen([sys.executable, '-c', 'import subprocess, sys, time; "
-              "subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(300)\"]); "
-              "time.sleep(300)'], start_new_session=True)\n"
-              "time.sleep(300)\n")
-    process = OwnedProcess([sys.executable, "-c", script], env=os.environ,
-                           log_file=tmp_path / "tree.log").start()
-    for _ in range(100):
-        tree = owned_processes(process.pid)
-        if len(tree) >= 3:
-            break
-        threading.Event().wait(0.1)
-    assert len(tree) == 3
-    process.stop(timeout=5)
-    assert all(_start_time(pid) != started for pid, started in tree.items())
+def test_a_superlink_that_exits_is_reported_with_the_tail_of_its_log(tmp_path):
+    process = OwnedProcess(["sh", "-c", "for n in $(seq 40); do echo line $n; done; exit 4"],
+                           env=os.environ, log_file=tmp_path / "superlink.log").start()
+    with pytest.raises(LaunchFailed, match="the SuperLink exited with code 4") as caught:
+        wait_healthy(f"127.0.0.1:{free_port()}", ca_file=None, process=process, timeout=60)
+    assert str(caught.value).splitlines()[-30:] == [f"line {n}" for n in range(11, 41)]
+    process.stop()
 
 
 def test_cli_connection_entry_is_added_without_losing_others(tmp_path):
@@ -372,7 +361,7 @@ def test_simulation_runs_on_an_existing_multi_node_ray_cluster(tmp_path, monkeyp
             if process is not None:
                 tree = owned_processes(process.pid) if process.process else {}
                 process.stop()
-                assert all(_start_time(pid) != started for pid, started in tree.items())
+                assert all(start_time(pid) != started for pid, started in tree.items())
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
@@ -396,7 +385,7 @@ def deployment(tmp_path_factory):
                 trees.update(owned_processes(process.pid))
         deployment.stop()
         for pid, started_at in trees.items():
-            assert _start_time(pid) != started_at, f"process {pid} survived"
+            assert start_time(pid) != started_at, f"process {pid} survived"
 
 
 def node_log_since(node, offset: int) -> str:

@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedspc_app import experiments
 from fedspc_app.core.errors import ConfigError
-from fedspc_app.experiments import (
+from fedspc_app.experiments import cli, runner
+from fedspc_app.experiments.grid import (
     Cell,
     expand_grid,
     filter_cells,
     load_grid,
     parse_only,
-    run_grid,
 )
+from fedspc_app.experiments.runner import run_grid
 from fedspc_app.launch.superlink import SimulationFailed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,9 +121,9 @@ def test_a_bad_cell_fails_before_anything_runs_naming_the_cell(tmp_path, monkeyp
         grid_of({"axes": {"method": ["scaffold"], "fedspc": [False, True]}}, tmp_path)
     # Through the command line: exit code 2, no cell run, no folder made.
     calls = []
-    monkeypatch.setattr(experiments, "run_federated_cell", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(runner, "run_federated_cell", lambda *a, **k: calls.append(a))
     path = write_yaml(tmp_path / "bad.yaml", spec)
-    assert experiments.main(["run", str(path), "--output-dir", str(tmp_path / "o")]) == 2
+    assert cli.main(["run", str(path), "--output-dir", str(tmp_path / "o")]) == 2
     assert calls == [] and not (tmp_path / "o").exists()
 
 
@@ -134,11 +134,42 @@ def test_malformed_grids_are_config_errors(tmp_path):
         ({"axes": {"alpha": [0.1]}, "bogus": 1}, "unknown grid key"),
         ({"base": {"run-name": "x"}}, "'run-name' is set per cell"),
         ({"axes": {"alpha": [0.1]}, "simulation": {"gpus": 1}}, "unknown simulation"),
+        ({"axes": {"alpha": [0.1]}, "simulation": {"client-cpus": 0}}, "client-cpus"),
+        ({"axes": {"alpha": [0.1]}, "simulation": {"clients": 0}}, "clients must be"),
+        ({"axes": {"alpha": [0.1]}, "simulation": {"timeout": 0}}, "timeout must be"),
         ({"axes": {"alpha": [{"a": 1}]}}, "is not a single value"),
         ({"axes": {"method": ["fedavg"]}, "exclude": [{"method": "fedavg"}]}, "no cells"),
     ]:
         with pytest.raises(ConfigError, match=message):
             grid_of(spec, tmp_path)
+
+
+def test_bad_command_lines_are_one_line_on_stderr(tmp_path, capsys):
+    grid = str(write_yaml(tmp_path / "g.yaml", {"axes": {"method": ["fedper", "fedrep"]}}))
+    (tmp_path / "broken.yaml").write_text("axes: {method: [fedper\n")
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00")
+    output = ["--output-dir", str(tmp_path / "o")]
+    for argv, message in [
+        (["run", str(tmp_path / "missing.yaml"), *output], "no grid file at"),
+        (["list", str(tmp_path / "broken.yaml"), *output], "is not valid YAML: "),
+        (["list", str(tmp_path / "binary.yaml"), *output], "cannot read grid file"),
+        (["run", str(tmp_path), *output], "cannot read grid file"),
+        (["run", grid, "--only", "method=[fedper", *output], "--only method=[fedper: not a"),
+        (["list", grid, "--only", "modle=cnn", *output], "--only modle: not an axis"),
+        (["list", grid, "--only", "method", *output], "--only expects axis=value"),
+        (["run", grid, "--set", "num-rounds", *output], "key=value"),
+        (["run", grid, "--set", "num-rounds=[1", *output], "num-rounds=[1"),
+        (["run", grid, "--clients", "0", *output], "clients must be >= 1"),
+        (["run", grid, "--client-gpus", "-1", *output], "client-gpus must be >= 0"),
+        (["list", grid, "--timeout", "0", *output], "timeout must be > 0"),
+        (["report", str(tmp_path / "nothing")], "no results at"),
+        (["centralized", "--run-config", str(tmp_path / "none.toml")], "none.toml"),
+    ]:
+        assert cli.main(argv) == 2, argv
+        captured = capsys.readouterr()
+        assert captured.err.startswith("fedspc: ") and message in captured.err, argv
+        assert captured.err.count("\n") == 1 and captured.out == "", argv
+    assert not (tmp_path / "o").exists()
 
 
 def test_set_overrides_every_cell_but_not_an_axis(tmp_path):
@@ -309,19 +340,19 @@ def test_cli_runs_only_selected_pending_cells_then_reports(tmp_path, monkeypatch
         finish(cell)
         return {"complete": True}
 
-    monkeypatch.setattr(experiments, "run_federated_cell", fake)
+    monkeypatch.setattr(runner, "run_federated_cell", fake)
     out = tmp_path / "results"
     args = ["run", str(path), "--output-dir", str(out), "--only", "alpha=0.1"]
-    assert experiments.main([*args, "--dry-run"]) == 0
+    assert cli.main([*args, "--dry-run"]) == 0
     plan = capsys.readouterr().out
     assert "2 of 4 cells selected" in plan and "pending fedper-a0.1" in plan
     assert not out.exists()  # a dry run writes nothing
-    assert experiments.main([*args, "--client-cpus", "2"]) == 1
+    assert cli.main([*args, "--client-cpus", "2"]) == 1
     assert calls == [("fedper-a0.1", 3, 2.0), ("fedrep-a0.1", 3, 2.0)]
     text = capsys.readouterr().out
     assert "1 cell(s) failed:" in text and "fedrep-a0.1.log" in text
     assert (out / "tiny" / "report" / "runs.md").is_file()
-    assert experiments.main(["list", str(path), "--output-dir", str(out)]) == 0
+    assert cli.main(["list", str(path), "--output-dir", str(out)]) == 0
     plan = capsys.readouterr().out
     assert "done    fedper-a0.1" in plan and "failed  fedrep-a0.1" in plan
     assert "pending fedper-a1" in plan
@@ -337,7 +368,7 @@ def test_tiny_grid_end_to_end_with_report(tmp_path, capsys):
         "axes": {"fedspc": [False, True]},
         "simulation": {"clients": 2, "client-cpus": 1, "timeout": 600}})
     out = tmp_path / "results"
-    assert experiments.main(["run", str(path), "--output-dir", str(out)]) == 0
+    assert cli.main(["run", str(path), "--output-dir", str(out)]) == 0
     grid_dir = out / "tiny"
     for name in ("fedper", "fedper+fedspc"):
         summary = json.loads((grid_dir / name / "summary.json").read_text())
@@ -351,5 +382,5 @@ def test_tiny_grid_end_to_end_with_report(tmp_path, capsys):
     assert (grid_dir / "report" / "partitions-digits.png").read_bytes()[:8] == \
         b"\x89PNG\r\n\x1a\n"
     # Rerunning skips both finished cells.
-    assert experiments.main(["run", str(path), "--output-dir", str(out), "--no-report"]) == 0
+    assert cli.main(["run", str(path), "--output-dir", str(out), "--no-report"]) == 0
     assert "2 done, 0 to run" in capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""Tests of the FedSPC paper's Dirichlet label-skew partition (fedspc_app.core.partition)."""
+"""The FedSPC paper's Dirichlet label-skew partition (fedspc_app.core.partition) and its
+heatmaps (fedspc_app.experiments.plots, ``python -m fedspc_app.experiments partition``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import csv
 import json
 import math
 import re
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +17,10 @@ from fedspc_app.core.partition import (
     Partition,
     dirichlet_partition,
     load_partition_counts,
-    plot_partition,
-    plot_partitions,
     save_partition,
 )
+from fedspc_app.experiments import cli
+from fedspc_app.experiments.plots import plot_partition, plot_partitions
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -301,20 +301,6 @@ def test_numpy_integer_partition_id_is_accepted(part: Partition) -> None:
 
 
 # --------------------------------------------------------------------------- #
-# Speed
-# --------------------------------------------------------------------------- #
-
-
-def test_tiny_imagenet_sized_partition_is_fast() -> None:
-    train, test = _labels([500] * 200), _labels([50] * 200)
-    start = time.perf_counter()
-    p = dirichlet_partition(train, test, num_clients=10, alpha=0.1, seed=0)
-    elapsed = time.perf_counter() - start
-    assert sum(a.size for a in p.train_indices) == 100_000
-    assert elapsed < 2.0, f"took {elapsed:.2f} s"
-
-
-# --------------------------------------------------------------------------- #
 # Files and figures
 # --------------------------------------------------------------------------- #
 
@@ -401,3 +387,22 @@ def test_plot_partition_rejects_bad_counts(counts: np.ndarray, tmp_path: Path) -
 def test_plot_partitions_rejects_no_panels(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         plot_partitions([], tmp_path / "x.png")
+
+
+def test_partition_command_draws_one_run_or_panels(tmp_path: Path, capsys) -> None:
+    train, test = _labels([40] * 6), _labels([8] * 6)
+    runs = []
+    for alpha in (0.1, 1.0):
+        run = tmp_path / f"a{alpha}"
+        save_partition(dirichlet_partition(train, test, num_clients=4, alpha=alpha, seed=0,
+                                           min_samples=1), run)
+        runs.append(run)
+    assert cli.main(["partition", str(runs[0])]) == 0
+    assert (runs[0] / "partition.png").read_bytes().startswith(PNG_SIGNATURE)
+    both = tmp_path / "figs" / "both.png"
+    assert cli.main(["partition", *map(str, runs), "-o", str(both)]) == 0
+    assert both.read_bytes().startswith(PNG_SIGNATURE)
+    assert capsys.readouterr().out.splitlines() == [str(runs[0] / "partition.png"), str(both)]
+    assert cli.main(["partition", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedspc: No partition file") and err.count("\n") == 1

@@ -1,4 +1,4 @@
-"""Report tables and figures (fedspc_app.reports) from small synthetic result folders."""
+"""Report tables and figures (fedspc_app.experiments) from small synthetic result folders."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedspc_app import experiments, reports
 from fedspc_app.core.partition import dirichlet_partition, save_partition
+from fedspc_app.experiments import layout, plots, reports
+from fedspc_app.experiments.records import delta_text, load_records, summarize
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -73,14 +74,14 @@ def grid_dir(tmp_path):
         write_run(grid, "centralized-S1", setting="S1", method="centralized",
                   kind="centralized", final=0.70, best=0.71, curve=(0.6, 0.71, 0.70)),
     ]
-    (grid / experiments.GRID_JSON).write_text(json.dumps({"name": "grid", "cells": cells}))
-    (grid / experiments.FAILURES_JSON).write_text(json.dumps(
+    (grid / layout.GRID_JSON).write_text(json.dumps({"name": "grid", "cells": cells}))
+    (grid / layout.FAILURES_JSON).write_text(json.dumps(
         {"fedrep+fedspc-a1-s0-S1": {"error": "boom", "log": "x.log"}}))
     return grid
 
 
 def test_records_follow_the_grid_with_status(grid_dir):
-    records = {r.name: r for r in reports.load_records(grid_dir)}
+    records = {r.name: r for r in load_records(grid_dir)}
     assert len(records) == 10
     assert records["fedrep-a0.1-s1-S1"].status == "complete"
     assert records["fedrep-a0.1-s1-S1"].final_accuracy == 0.52
@@ -94,7 +95,7 @@ def test_records_follow_the_grid_with_status(grid_dir):
 
 
 def test_table3_mean_std_delta_and_missing_cells(grid_dir):
-    table = reports.table3(reports.load_records(grid_dir))
+    table = reports.table3(load_records(grid_dir))
     assert reports.to_markdown(table) == (
         "| Method | α | S1 Base | S1 +FedSPC | S1 Δ | S2 Base | S2 +FedSPC | S2 Δ |\n"
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n"
@@ -111,7 +112,7 @@ def test_table3_mean_std_delta_and_missing_cells(grid_dir):
 
 
 def test_table1_rows_method_by_alpha_in_the_papers_order(grid_dir):
-    records = reports.load_records(grid_dir)
+    records = load_records(grid_dir)
     assert reports.to_markdown(reports.table1(records)) == (
         "| Method | α | S1 | S2 |\n"
         "| --- | --- | ---: | ---: |\n"
@@ -132,7 +133,7 @@ def test_table1_rows_method_by_alpha_in_the_papers_order(grid_dir):
 
 
 def test_runs_table(grid_dir):
-    table = reports.runs_table(reports.load_records(grid_dir))
+    table = reports.runs_table(load_records(grid_dir))
     markdown = reports.to_markdown(table).splitlines()
     assert markdown[0] == ("| Run | Status | Rounds | Final (%) | Best (%) | Best round "
                            "| Wall time |")
@@ -146,18 +147,18 @@ def test_runs_table(grid_dir):
 
 
 def test_stat_and_delta_text():
-    assert reports.summarize([]).text() == "—"
-    assert reports.summarize([12.345]).text() == "12.35"
-    assert reports.summarize([1.0, 2.0, 3.0]).text() == "2.00 ± 1.00"
-    assert reports.delta_text(1.234) == "+1.23"
-    assert reports.delta_text(-0.34) == "-0.34"
-    assert reports.delta_text(None) == "—"
+    assert summarize([]).text() == "—"
+    assert summarize([12.345]).text() == "12.35"
+    assert summarize([1.0, 2.0, 3.0]).text() == "2.00 ± 1.00"
+    assert delta_text(1.234) == "+1.23"
+    assert delta_text(-0.34) == "-0.34"
+    assert delta_text(None) == "—"
 
 
 def test_records_without_grid_json_come_from_the_folders(tmp_path):
     write_run(tmp_path, "a", setting="ignored", final=0.5, curve=(0.5,))
     write_run(tmp_path, "b", setting="ignored", fedspc=True, final=0.6, curve=(0.6,))
-    records = reports.load_records(tmp_path)
+    records = load_records(tmp_path)
     assert [(r.name, r.setting, r.fedspc) for r in records] == [
         ("a", "cifar100-cnn", False), ("b", "cifar100-cnn", True)]
     assert reports.to_markdown(reports.table3(records)).splitlines()[2] == (
@@ -170,7 +171,7 @@ def test_figures_and_report_files(grid_dir):
         partition = dirichlet_partition(labels, labels, num_clients=4, alpha=alpha, seed=0,
                                         min_samples=1)
         save_partition(partition, grid_dir / name)
-    records = reports.load_records(grid_dir)
+    records = load_records(grid_dir)
     out = grid_dir / "report"
     written = reports.write_report(records, out, title="grid")
     names = sorted(p.name for p in written)
@@ -195,7 +196,7 @@ def test_pairs_compare_seed_mean_curves_on_complete_pairs_only(grid_dir):
     # S1, α = 0.1: Base seeds (53, 50) and (40, 52) average to (46.5, 51.0), +FedSPC
     # (50, 55) and (50, 56) to (50.0, 55.5). α = 1.0 has no +FedSPC run and S2 only a
     # partial one, so neither gets a row.
-    table = reports.pairs_table(reports.load_records(grid_dir))
+    table = reports.pairs_table(load_records(grid_dir))
     assert table.csv_rows == [["FedRep", "0.1", "S1", 2, 2, 51.0, 55.5, 4.5, 4.0, 4.5, 2, 0,
                                2, 2]]
 
@@ -204,7 +205,7 @@ def test_pairs_window_ties_and_rounds_behind(tmp_path):
     cells = [write_run(tmp_path, "base", setting="S", final=0.2, curve=(0.1, 0.3, 0.2)),
              write_run(tmp_path, "spc", setting="S", fedspc=True, final=0.4,
                        curve=(0.1, 0.2, 0.4))]
-    table = reports.pairs_table(reports.load_records(tmp_path, cells), window=2)
+    table = reports.pairs_table(load_records(tmp_path, cells), window=2)
     # Round 1 ties, round 2 behind, round 3 ahead; last 2 rounds: 30 vs 25; best 40 vs 30.
     assert table.rows == [["FedRep", "0.1", "S", "3", "20.00", "40.00", "+20.00", "+5.00",
                            "+10.00", "1 / 1", "1 / 1"]]
@@ -216,7 +217,7 @@ def test_pairs_window_ties_and_rounds_behind(tmp_path):
 def test_no_fedspc_cells_means_no_table3_and_no_delta_chart(tmp_path):
     cells = [write_run(tmp_path, "fedavg", setting="S", method="fedavg", final=0.4,
                        curve=(0.4,))]
-    written = reports.write_report(reports.load_records(tmp_path, cells), tmp_path / "r")
+    written = reports.write_report(load_records(tmp_path, cells), tmp_path / "r")
     names = {p.name for p in written}
     assert "table1.md" in names and "delta.png" not in names
     assert "table3.md" not in names and "pairs.md" not in names
@@ -224,8 +225,8 @@ def test_no_fedspc_cells_means_no_table3_and_no_delta_chart(tmp_path):
 
 def test_delta_chart_draws_only_the_alphas_that_have_a_delta(grid_dir, monkeypatch):
     drawn = []
-    monkeypatch.setattr(reports, "_save_png", lambda fig, path: drawn.append(fig) or path)
-    assert reports.plot_deltas(reports.load_records(grid_dir), "delta.png") == Path("delta.png")
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: drawn.append(fig) or path)
+    assert plots.plot_deltas(load_records(grid_dir), "delta.png") == Path("delta.png")
     s1, s2 = drawn[0].axes
     # S1: a Δ at α = 0.1 only (+FedSPC at α = 1 is missing): one bar, one legend entry,
     # labelled with its value; S2 has no Δ at all, so no bars and no legend.

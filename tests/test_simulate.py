@@ -1,8 +1,10 @@
-"""Process hygiene of the launch helpers (fedspc_app.launch)."""
+"""The launch helpers (fedspc_app.launch) and the command lines built on them: process
+hygiene, the environment of launched processes, error reports."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import subprocess
@@ -14,8 +16,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from fedspc_app.launch import superlink as simulate
-from fedspc_app.launch.processes import exit_on_termination
+from fedspc_app import simulate
+from fedspc_app.launch import superlink
+from fedspc_app.launch.processes import (
+    LaunchFailed,
+    OwnedProcess,
+    child_env,
+    exit_on_termination,
+    owned_processes,
+    start_time,
+)
+from fedspc_app.launch.superlink import LocalSuperLink
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -110,30 +121,58 @@ def test_handlers_are_restored_after_the_block():
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == before
 
 
-# --- flwr_run against a stand-in ``flwr`` console script ----------------------------
+# --- stand-ins for flower-superlink and flwr -----------------------------------------
 
-FAKE_FLWR = textwrap.dedent("""
-    import os, subprocess, sys, time, tomllib
-    config_path = sys.argv[sys.argv.index("--run-config") + 1]
-    with open(config_path, "rb") as handle:
-        mode = tomllib.load(handle)["mode"]
-    print("config", config_path, flush=True)
-    print("home", os.environ["FLWR_HOME"], os.environ["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"],
-          flush=True)
-    if mode == "exit":
+STANDIN = textwrap.dedent("""
+    import http.server, os, subprocess, sys, time, tomllib
+
+    SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]
+    mode = os.environ.get("STANDIN", "serve")
+    if "--run-config" in sys.argv:  # as flwr run
+        config_path = sys.argv[sys.argv.index("--run-config") + 1]
+        with open(config_path, "rb") as handle:
+            mode = tomllib.load(handle)["mode"]
+        print("config", config_path, flush=True)
+        print("home", os.environ["FLWR_HOME"],
+              os.environ["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"], flush=True)
+    print("path", os.environ["PATH"], flush=True)
+    if mode == "crash":
+        for number in range(40):
+            print("line", number)
         sys.exit(3)
-    # like flwr run --stream: a child in the same process group, then wait for the run
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    print("pids", os.getpid(), child.pid, flush=True)
+    # A child in a process group of its own and, below it, a process in a new session
+    # (os.setsid, as the SuperLink starts its SuperExec): neither is in this group.
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; print(subprocess.Popen("
+         f"{SLEEP!r}, start_new_session=True).pid, flush=True); time.sleep(600)"],
+        process_group=0, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    print("pids", os.getpid(), child.pid, child.stdout.readline().strip(), flush=True)
+    if mode == "serve":  # as the SuperLink: /health on --port
+        class Health(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.end_headers()
+
+        port = int(sys.argv[sys.argv.index("--port") + 1])
+        http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
     time.sleep(600)
 """)
 
 
-def _fake_flwr(tmp_path: Path) -> Path:
-    (tmp_path / "fake_flwr.py").write_text(FAKE_FLWR)
-    script = tmp_path / "flwr"  # a shell wrapper: no limit on the interpreter path's length
-    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "fake_flwr.py"}" "$@"\n')
+def _standin(tmp_path: Path) -> Path:
+    (tmp_path / "standin.py").write_text(STANDIN)
+    script = tmp_path / "standin"  # a shell wrapper: no limit on the interpreter path's length
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "standin.py"}" "$@"\n')
     script.chmod(0o755)
+    return script
+
+
+@pytest.fixture
+def standin(tmp_path, monkeypatch):
+    """Every console script the launchers start is the stand-in; PATH lacks this venv."""
+    script = _standin(tmp_path)
+    monkeypatch.setattr(superlink, "console_script", lambda name: str(script))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
     return script
 
 
@@ -151,30 +190,133 @@ def _gone(pid: int, within: float = 10.0) -> bool:
     return False
 
 
+def _line(log: Path, key: str, within: float = 30.0) -> list[str]:
+    """The words after ``key`` on its line of ``log``, once that line is there."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines() if log.exists() else []:
+            if line.startswith(key + " "):
+                return line.split()[1:]
+        time.sleep(0.05)
+    raise AssertionError(f"no {key} line in {log}")
+
+
+_started: dict[int, str | None] = {}  # what the stand-ins started: PID -> start time
+
+
 def _pids(log: Path) -> list[int]:
-    for line in log.read_text().splitlines():
-        if line.startswith("pids "):
-            return [int(pid) for pid in line.split()[1:]]
-    raise AssertionError(f"no pids line in {log.read_text()!r}")
+    """The PIDs a stand-in logged (root, child, grandchild); killed after the test."""
+    pids = [int(pid) for pid in _line(log, "pids")]
+    _started.update({pid: start_time(pid) for pid in pids})
+    return pids
 
 
-def test_flwr_run_returns_the_exit_code_logs_output_and_removes_its_config(tmp_path, monkeypatch):
-    monkeypatch.setattr(simulate, "console_script", lambda name: str(_fake_flwr(tmp_path)))
-    superlink = SimpleNamespace(flwr_home=tmp_path / "home")
+@pytest.fixture(autouse=True)
+def _no_leftovers():
+    """A failed test leaves none of its stand-ins' processes running."""
+    yield
+    for pid, started in _started.items():
+        if started is not None and start_time(pid) == started:
+            os.kill(pid, signal.SIGKILL)
+    _started.clear()
+
+
+# --- stopping a process with everything it started ----------------------------------
+
+def test_stopping_an_owned_process_ends_its_group_and_other_sessions(tmp_path, standin):
+    process = OwnedProcess([standin], env={**os.environ, "STANDIN": "sleep"},
+                           log_file=tmp_path / "tree.log").start()
+    pids = _pids(tmp_path / "tree.log")
+    assert len(set(os.getpgid(pid) for pid in pids)) == 3
+    assert os.getsid(pids[2]) == pids[2] != os.getsid(pids[0])
+    process.stop(timeout=5)
+    assert all(_gone(pid) for pid in pids), [pid for pid in pids if not _gone(pid, 0)]
+
+
+def test_a_process_group_kill_misses_them(tmp_path, standin):
+    # Why stop_tree walks the tree and the session: killpg reaches the root only.
+    process = OwnedProcess([standin], env={**os.environ, "STANDIN": "sleep"},
+                           log_file=tmp_path / "tree.log").start()
+    pids = _pids(tmp_path / "tree.log")
+    os.killpg(process.pid, signal.SIGKILL)
+    process.process.wait()
+    assert not any(_gone(pid, 0.5) for pid in pids[1:])
+    assert set(owned_processes(process.pid, with_root=False)) == set(pids[1:])
+
+
+def test_local_superlink_stops_everything_it_started(tmp_path, standin):
+    link = LocalSuperLink(tmp_path / "home", startup_timeout=30).start()
+    assert link.process is not None and link.process.poll() is None
+    pids = _pids(link.log_file)
+    link.stop()
+    assert link.process is None
+    assert all(_gone(pid) for pid in pids)
+
+
+# --- the environment of launched processes ---------------------------------------------
+
+BIN = str(Path(sys.executable).parent)
+
+
+def test_children_get_this_interpreters_bin_folder_first_on_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    env = superlink.flower_env(tmp_path)
+    assert env["PATH"] == f"{BIN}{os.pathsep}/usr/bin:/bin"
+    assert child_env(env) == env  # once is enough
+    assert env["FLWR_HOME"] == str(tmp_path)
+    assert child_env({})["PATH"] == BIN
+
+
+# --- launch failures quote the log ---------------------------------------------------
+
+def test_a_superlink_that_exits_is_reported_with_the_tail_of_its_log(standin, monkeypatch):
+    monkeypatch.setenv("STANDIN", "crash")
+    with pytest.raises(LaunchFailed) as caught, superlink.simulation():
+        pass
+    # simulation() has deleted the temporary FLWR_HOME with the log: the message holds it
+    message = str(caught.value)
+    assert message.startswith("flower-superlink exited with code 3; last lines of ")
+    assert message.splitlines()[-30:] == [f"line {n}" for n in range(10, 40)]
+
+
+def test_a_superlink_that_never_answers_is_stopped_and_reported(tmp_path, standin,
+                                                                 monkeypatch):
+    monkeypatch.setenv("STANDIN", "sleep")
+    link = LocalSuperLink(tmp_path, startup_timeout=3)
+    with pytest.raises(LaunchFailed, match="did not start within 3 s") as caught:
+        link.start()
+    assert f"path {BIN}:/usr/bin:/bin" in str(caught.value)
+    assert all(_gone(pid) for pid in _pids(tmp_path / "superlink.log"))
+
+
+@pytest.mark.e2e
+def test_a_real_superlink_starts_when_path_lacks_this_environment(tmp_path, monkeypatch):
+    # flower-superlink starts flower-superexec by name: without this environment's
+    # bin folder on its PATH it exits with code 3 at once.
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    with LocalSuperLink(tmp_path) as link:
+        time.sleep(1)
+        assert link.process.poll() is None, link.log_file.read_text()[-3000:]
+
+
+# --- flwr_run and run_logged -----------------------------------------------------------
+
+def test_flwr_run_returns_the_exit_code_logs_output_and_removes_its_config(tmp_path, standin):
     log = tmp_path / "run.log"
-    code = simulate.flwr_run(superlink, {"mode": "exit"}, clients=2, log_file=log)
+    code = superlink.flwr_run(SimpleNamespace(flwr_home=tmp_path / "home"), {"mode": "crash"},
+                              clients=2, log_file=log)
     assert code == 3
-    lines = dict(line.split(" ", 1) for line in log.read_text().splitlines())
-    assert lines["home"] == f"{tmp_path / 'home'} 1"  # private FLWR_HOME, no runtime installs
-    assert not Path(lines["config"]).exists()
+    # private FLWR_HOME, no runtime installs, this environment's console scripts on PATH
+    assert _line(log, "home") == [str(tmp_path / "home"), "1"]
+    assert _line(log, "path") == [f"{BIN}:/usr/bin:/bin"]
+    assert not Path(_line(log, "config")[0]).exists()
 
 
-def test_flwr_run_timeout_kills_the_whole_run_group(tmp_path, monkeypatch):
-    monkeypatch.setattr(simulate, "console_script", lambda name: str(_fake_flwr(tmp_path)))
+def test_flwr_run_timeout_kills_everything_it_started(tmp_path, standin):
     log = tmp_path / "run.log"
     with pytest.raises(TimeoutError, match="exceeded 2 s"):
-        simulate.flwr_run(SimpleNamespace(flwr_home=tmp_path), {"mode": "hang"}, clients=2,
-                          log_file=log, timeout=2)
+        superlink.flwr_run(SimpleNamespace(flwr_home=tmp_path), {"mode": "sleep"}, clients=2,
+                           log_file=log, timeout=2)
     assert all(_gone(pid) for pid in _pids(log))
 
 
@@ -182,24 +324,98 @@ INTERRUPTED = textwrap.dedent("""
     import sys
     from pathlib import Path
     from types import SimpleNamespace
-    from fedspc_app.launch import superlink as simulate
+    from fedspc_app.launch import superlink
+    from fedspc_app.launch.processes import exit_on_termination
 
-    simulate.console_script = lambda name: sys.argv[1]
-    with simulate.exit_on_termination():
-        simulate.flwr_run(SimpleNamespace(flwr_home=Path(sys.argv[2])), {"mode": "hang"},
-                          clients=2, echo=True)
+    superlink.console_script = lambda name: sys.argv[1]
+    with exit_on_termination():
+        superlink.flwr_run(SimpleNamespace(flwr_home=Path(sys.argv[2])), {"mode": "sleep"},
+                           clients=2, echo=True)
 """)
 
 
-def test_an_interrupted_flwr_run_is_killed_with_its_children(tmp_path):
-    process = _python(tmp_path, INTERRUPTED, str(_fake_flwr(tmp_path)), str(tmp_path))
+def test_an_interrupted_flwr_run_is_killed_with_everything_it_started(tmp_path):
+    process = _python(tmp_path, INTERRUPTED, str(_standin(tmp_path)), str(tmp_path))
     assert process.stdout is not None
     line = ""
     while not line.startswith("pids "):
         line = process.stdout.readline()
         assert line, "the stand-in flwr printed no pids"
     pids = [int(pid) for pid in line.split()[1:]]
+    _started.update({pid: start_time(pid) for pid in pids})
     process.send_signal(signal.SIGTERM)
     process.communicate(timeout=60)
     assert process.returncode == 128 + signal.SIGTERM
     assert all(_gone(pid) for pid in pids)
+
+
+# --- command-line errors: one line, nothing started ------------------------------------
+
+def _load_benchmark():
+    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(LocalSuperLink, "start", refuse)
+    monkeypatch.setattr(OwnedProcess, "start", refuse)
+
+
+BAD_TOML = "num-rounds = [\n"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--run-config", "missing.toml"], "run-config file missing.toml not found"),
+    (["--run-config", "bad.toml"], "cannot read run-config file bad.toml"),
+    (["--set", "num-rounds"], "space-separated key=value pairs"),
+    (["--set", "methd='fedrep'"], "unknown run-config key 'methd' (did you mean: method?)"),
+    (["--set", "num-rounds=0"], "num-rounds"),
+    (["--clients", "0"], "clients must be >= 1, got 0"),
+    (["--client-cpus", "0"], "client-cpus must be > 0, got 0"),
+    (["--client-cpus", "nan"], "client-cpus must be > 0, got nan"),
+    (["--client-gpus", "-0.5"], "client-gpus must be >= 0, got -0.5"),
+])
+def test_simulate_reports_bad_input_in_one_line(tmp_path, monkeypatch, capsys, nothing_starts,
+                                                args, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.toml").write_text(BAD_TOML)
+    assert simulate.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedspc: ") and err.count("\n") == 1 and message in err
+
+
+@pytest.mark.parametrize(("main", "args", "message"), [
+    ("benchmark", ["--rounds", "0"], "num-rounds"),
+    ("benchmark", ["--client-gpus", "inf"], "client-gpus must be >= 0, got inf"),
+    ("benchmark", ["--run-config", "bad.toml"], "cannot read run-config file"),
+    ("loopback", ["--nodes", "0"], "clients must be >= 1, got 0"),
+    ("loopback", ["--run-config", "bad.toml"], "cannot read run-config file"),
+    ("loopback", ["--set", "alpha=-1"], "alpha"),
+    ("submit", ["--clients", "2", "--run-config", "bad.toml"], "cannot read run-config file"),
+    ("submit", ["--set", "num-rounds=2"], "--clients N"),
+])
+def test_the_other_launchers_report_bad_input_in_one_line(tmp_path, monkeypatch, capsys,
+                                                          nothing_starts, main, args, message):
+    from deploy import loopback, submit
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: pytest.fail("flwr was started"))
+    (tmp_path / "bad.toml").write_text(BAD_TOML)
+    entry = {"benchmark": lambda: _load_benchmark().main, "loopback": lambda: loopback.main,
+             "submit": lambda: submit.main}[main]()
+    assert entry(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedspc: ") and err.count("\n") == 1 and message in err
+
+
+def test_simulate_reports_a_failed_launch_with_exit_code_1(standin, monkeypatch, capsys):
+    monkeypatch.setenv("STANDIN", "crash")
+    assert simulate.main(["--clients", "2", "--set", "num-rounds=1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fedspc: flower-superlink exited with code 3") and "line 39" in err

@@ -21,32 +21,11 @@ __all__ = ["iterate_batches", "random_crop_flip"]
 def random_crop_flip(
     images: torch.Tensor, generator: torch.Generator | None, padding: int = 4
 ) -> torch.Tensor:
-    """Random crop with zero padding, then random horizontal flip, per sample.
+    """Per sample: zero-pad by ``padding`` pixels, cut an ``H x W`` window at a random
+    offset, mirror left-right with probability 0.5; one gather on ``images.device``.
 
-    Each sample is zero-padded by ``padding`` pixels on every side, an ``H x W`` window at
-    a random offset in ``[0, 2 * padding]`` (rows and columns drawn independently) is
-    cut out, and the result is mirrored left-right with probability 0.5. Everything is
-    one gather on ``images.device``; no Python loop over samples.
-
-    Parameters
-    ----------
-    images : torch.Tensor
-        ``[B, C, H, W]`` tensor of any dtype, on any device.
-    generator : torch.Generator or None
-        CPU generator for the random draws (``None``: torch's global generator). Draws,
-        in order: row offsets ``[B]``, column offsets ``[B]``, flip flags ``[B]``.
-    padding : int, default 4
-        Zero padding on each side; 0 leaves only the flip.
-
-    Returns
-    -------
-    torch.Tensor
-        New tensor with the same shape, dtype and device as ``images``.
-
-    Raises
-    ------
-    ConfigError
-        If ``images`` is not 4-D or ``padding`` is negative.
+    Draws from ``generator`` (CPU; ``None``: torch's global one), in order: row
+    offsets ``[B]``, column offsets ``[B]``, flip flags ``[B]``.
     """
     if images.ndim != 4:
         raise ConfigError(f"images must be [B, C, H, W], got shape {tuple(images.shape)}")
@@ -102,49 +81,13 @@ def iterate_batches(
     generator: torch.Generator | None,
     device: torch.device | str,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Yield normalised ``(images, labels)`` batches of ``dataset[split][indices]``.
+    """Yield ``(float32 images, int64 labels)`` batches of ``dataset[split][indices]`` on
+    ``device``, augmented (crop-flip, 4-pixel padding) if ``augment`` and normalised with
+    the dataset's mean/std. The last partial batch is kept.
 
-    The ``uint8`` batch is gathered on the CPU, moved to ``device``, augmented with
-    :func:`random_crop_flip` (if ``augment``; padding is zero, i.e. black before
-    normalisation), converted to float on ``[0, 1]`` and normalised with the dataset's
-    per-channel mean/std, all as batched tensor operations. The last partial batch is
-    kept. Random draws from ``generator``, in order: one permutation (if ``shuffle``),
-    then per batch the draws of :func:`random_crop_flip`. Arguments are checked when
-    this is called, not on the first ``next()``.
-
-    Parameters
-    ----------
-    dataset : ImageDataset
-        Source of images and labels.
-    split : {"train", "test"}
-        Which split ``indices`` refer to.
-    indices : torch.Tensor or np.ndarray
-        1-D integer positions into the split (e.g. one client's partition).
-    batch_size : int
-        Maximum batch size (>= 1).
-    shuffle : bool
-        Visit ``indices`` in a random order drawn from ``generator``.
-    augment : bool
-        Apply :func:`random_crop_flip` with 4-pixel padding.
-    generator : torch.Generator or None
-        CPU generator for shuffling and augmentation; the same seed gives the same
-        batches. ``None`` uses torch's global generator.
-    device : torch.device or str
-        Where the yielded tensors live.
-
-    Yields
-    ------
-    images : torch.Tensor
-        ``float32 [B, C, H, W]`` on ``device``.
-    labels : torch.Tensor
-        ``int64 [B]`` on ``device``.
-
-    Raises
-    ------
-    ConfigError
-        If ``split`` is unknown or ``batch_size < 1``.
-    DataError
-        If ``indices`` are not 1-D integers inside the split.
+    Draws from ``generator``, in order: one permutation (if ``shuffle``), then per
+    batch those of :func:`random_crop_flip`; the same seed gives the same batches.
+    Arguments are checked at the call, not on the first ``next()``.
     """
     images, labels = dataset.split(split)
     if batch_size < 1:

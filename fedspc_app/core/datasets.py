@@ -153,18 +153,7 @@ class ImageDataset:
         return int(self.test_labels.shape[0])
 
     def split(self, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(images, labels)`` of ``split``.
-
-        Parameters
-        ----------
-        split : {"train", "test"}
-            Which split.
-
-        Raises
-        ------
-        ConfigError
-            If ``split`` is not ``"train"`` or ``"test"``.
-        """
+        """``(images, labels)`` of ``split`` ("train" or "test"; else ConfigError)."""
         if split == "train":
             return self.train_images, self.train_labels
         if split == "test":
@@ -206,33 +195,14 @@ def _check_split_tensors(
 def load_dataset(
     name: str, data_dir: str | os.PathLike[str] | None, *, download: bool = True
 ) -> ImageDataset:
-    """Load a dataset completely into memory.
+    """Load dataset ``name`` (case-insensitive) completely into memory.
 
-    Results are cached per process, keyed on the dataset name, the resolved data
-    directory and ``download``; call :func:`clear_cache` to drop them. Failed loads are
-    not cached. The returned tensors are shared between callers and must not be modified.
-
-    Parameters
-    ----------
-    name : str
-        One of :data:`DATASET_NAMES` (case-insensitive).
-    data_dir : str or os.PathLike or None
-        Folder that contains ``cifar-10-batches-py/``, ``cifar-100-python/`` or
-        ``tiny-imagenet-200/`` (or that folder itself). Ignored for ``digits``.
-        ``None`` or ``""`` means :func:`default_data_dir`.
-    download : bool, default True
-        For CIFAR only: if the folder is missing, try torchvision's downloader.
-
-    Returns
-    -------
-    ImageDataset
-
-    Raises
-    ------
-    ConfigError
-        If ``name`` is not a known dataset.
-    DataError
-        If the files are missing (and cannot be downloaded) or are corrupt.
+    ``data_dir`` holds ``cifar-10-batches-py/``, ``cifar-100-python/`` or
+    ``tiny-imagenet-200/`` (or is that folder); empty means :func:`default_data_dir`;
+    ``digits`` ignores it. ``download`` lets torchvision fetch a missing CIFAR folder.
+    Results are cached per process (:func:`clear_cache`); the tensors are shared and
+    must not be modified. Raises ConfigError for an unknown name, DataError for
+    missing or corrupt files.
     """
     key = str(name).strip().lower()
     if key not in DATASET_NAMES:

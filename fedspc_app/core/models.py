@@ -270,35 +270,13 @@ def build_model(
     seed: int | None = None,
     vit_embed_dim: int = 768,
 ) -> nn.Module:
-    """Build a freshly initialised model (never pretrained).
+    """A freshly initialised (never pretrained) CPU model in training mode whose
+    ``model(x)`` returns logits and whose ``get_classifier()`` is its final layer.
 
-    Parameters
-    ----------
-    name : str
-        One of :data:`MODEL_NAMES`.
-    num_classes : int
-        Number of output classes.
-    in_chans : int, default 3
-        Number of input channels.
-    image_size : int, default 32
-        Side of the square input images (32 or 64 in this project).
-    seed : int or None, default None
-        If given, the initial weights are a deterministic function of it, so that every
-        client of a run starts from the same model; the global torch RNG state is left as it
-        was. If None, the global torch RNG is used (and advanced) as usual.
-    vit_embed_dim : int, default 768
-        Embedding width of ``vit``; must be a multiple of its 12 heads. Ignored otherwise.
-
-    Returns
-    -------
-    torch.nn.Module
-        A CPU model in training mode whose ``model(x)`` returns logits ``[B, num_classes]``
-        and whose ``get_classifier()`` returns the final classification layer.
-
-    Raises
-    ------
-    ConfigError
-        If the name is unknown or an option is impossible for the model.
+    With ``seed`` the initial weights are a function of it alone (every client of a
+    run starts from the same model) and the global torch RNG is left as it was.
+    ``vit_embed_dim`` (a multiple of the 12 heads) is used by ``vit`` only. Raises
+    ConfigError for an unknown name or an impossible option.
     """
     if name not in _BUILDERS:
         raise ConfigError(

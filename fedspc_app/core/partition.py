@@ -21,11 +21,10 @@ import json
 import math
 import numbers
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -35,8 +34,6 @@ from fedspc_app.core.files import atomic_write
 __all__ = [
     "Partition",
     "dirichlet_partition",
-    "plot_partition",
-    "plot_partitions",
     "save_partition",
     "load_partition_counts",
 ]
@@ -172,43 +169,16 @@ class Partition:
         return counts.copy()
 
     def train_counts(self) -> np.ndarray:
-        """Training images per client and class.
-
-        Returns
-        -------
-        numpy.ndarray
-            ``int64`` array of shape ``[num_clients, num_classes]``.
-        """
+        """Training images per client and class, ``int64 [num_clients, num_classes]``."""
         return self._counts("train")
 
     def test_counts(self) -> np.ndarray:
-        """Test images per client and class.
-
-        Returns
-        -------
-        numpy.ndarray
-            ``int64`` array of shape ``[num_clients, num_classes]``.
-        """
+        """Test images per client and class, ``int64 [num_clients, num_classes]``."""
         return self._counts("test")
 
     def client(self, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
-        """Training and test indices of one client.
-
-        Parameters
-        ----------
-        partition_id : int
-            Client number in ``[0, num_clients)``.
-
-        Returns
-        -------
-        tuple of numpy.ndarray
-            ``(train_indices, test_indices)``, both sorted read-only ``int64``.
-
-        Raises
-        ------
-        ConfigError
-            If ``partition_id`` is not an integer in ``[0, num_clients)``.
-        """
+        """``(train_indices, test_indices)`` of client ``partition_id`` (sorted,
+        read-only ``int64``); ConfigError unless it is an integer in ``[0, num_clients)``."""
         if (
             isinstance(partition_id, bool)
             or not isinstance(partition_id, numbers.Integral)
@@ -271,19 +241,9 @@ def _check_labels(name: str, labels: Any) -> np.ndarray:
 
 
 def _split_counts(proportions: np.ndarray, class_sizes: np.ndarray) -> np.ndarray:
-    """Images of each class given to each client.
-
-    Class ``c`` with ``n_c`` images is cut at boundaries
-    ``rint(cumsum(p_c) * n_c)`` (round half to even), the last boundary forced
-    to ``n_c``. Boundaries are non-decreasing, so every image goes to exactly
-    one client, and each boundary is within 0.5 of its exact value, so client
-    ``k`` receives within 1 image of ``p_ck * n_c``.
-
-    Returns
-    -------
-    numpy.ndarray
-        ``int64`` array ``[num_classes, num_clients]``.
-    """
+    """Images of each class per client, ``int64 [num_classes, num_clients]``: class ``c``
+    is cut at ``rint(cumsum(p_c) * n_c)``, so every image goes to one client and client
+    ``k`` receives within 1 image of ``p_ck * n_c``."""
     sizes = class_sizes.astype(np.int64)[:, None]
     bounds = np.rint(np.cumsum(proportions, axis=1) * sizes).astype(np.int64)
     bounds = np.minimum(bounds, sizes)
@@ -530,193 +490,3 @@ def load_partition_counts(path: str | os.PathLike[str]) -> dict[str, Any]:
             raise DataError(f"{path}: {key} has shape {counts.shape}, expected {shape}")
         data[key] = counts
     return data
-
-
-# --------------------------------------------------------------------------- #
-# Figures
-# --------------------------------------------------------------------------- #
-
-
-def _check_counts(counts: Any, what: str = "counts") -> np.ndarray:
-    array = np.asarray(counts)
-    if array.ndim != 2 or 0 in array.shape:
-        raise ConfigError(
-            f"{what} must be a non-empty [num_clients, num_classes] array, got shape {array.shape}"
-        )
-    if not np.issubdtype(array.dtype, np.number) or not np.isfinite(array).all():
-        raise ConfigError(f"{what} must hold finite numbers")
-    if (array < 0).any():
-        raise ConfigError(f"{what} must be non-negative")
-    return array
-
-
-def _draw_heatmap(ax: Any, counts: np.ndarray, norm: Any, class_names: Sequence[str] | None) -> Any:
-    num_clients, num_classes = counts.shape
-    image = ax.imshow(
-        counts.T,
-        aspect="auto",
-        interpolation="nearest",
-        cmap="viridis",
-        norm=norm,
-        origin="upper",
-    )
-    ax.set_xlabel("Client")
-    ax.set_ylabel("Class")
-    x_step = max(1, math.ceil(num_clients / 20))
-    ax.set_xticks(np.arange(0, num_clients, x_step))
-    if class_names is not None and num_classes <= 50:
-        ax.set_yticks(np.arange(num_classes))
-        fontsize = 8 if num_classes <= 20 else 6
-        ax.set_yticklabels([str(name) for name in class_names], fontsize=fontsize)
-    else:
-        y_step = max(1, math.ceil(num_classes / 20))
-        ax.set_yticks(np.arange(0, num_classes, y_step))
-    return image
-
-
-def _save_figure(fig: Any, path: Path) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    FigureCanvasAgg(fig)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=150, bbox_inches="tight")
-    atomic_write(path, buffer.getvalue())
-    return path
-
-
-def _check_class_names(class_names: Sequence[str] | None, num_classes: int) -> None:
-    if class_names is not None and len(class_names) != num_classes:
-        raise ConfigError(
-            f"class_names has {len(class_names)} entries for {num_classes} classes"
-        )
-
-
-def plot_partition(
-    counts: np.ndarray,
-    path: str | os.PathLike[str],
-    *,
-    title: str | None = None,
-    class_names: Sequence[str] | None = None,
-) -> Path:
-    """Draw a partition as a clients x classes heatmap (the paper's Figure 3).
-
-    Parameters
-    ----------
-    counts : numpy.ndarray
-        ``[num_clients, num_classes]`` image counts, e.g.
-        :meth:`Partition.train_counts`.
-    path : path-like
-        PNG file to write (atomically; parent folders are created).
-    title : str, optional
-        Figure title.
-    class_names : sequence of str, optional
-        Labels for the class axis, shown when there are at most 50 classes.
-
-    Returns
-    -------
-    pathlib.Path
-        ``path``.
-    """
-    from matplotlib.figure import Figure
-
-    counts = _check_counts(counts)
-    _check_class_names(class_names, counts.shape[1])
-    num_clients, num_classes = counts.shape
-    fig = Figure(figsize=(min(3 + 0.35 * num_clients, 14), min(3 + 0.06 * num_classes, 14)))
-    ax = fig.add_subplot(1, 1, 1)
-    image = _draw_heatmap(ax, counts, None, class_names)
-    fig.colorbar(image, ax=ax, label="Training images")
-    if title:
-        ax.set_title(title)
-    return _save_figure(fig, Path(path))
-
-
-def plot_partitions(
-    panels: list[tuple[str, np.ndarray]],
-    path: str | os.PathLike[str],
-    *,
-    title: str | None = None,
-    class_names: Sequence[str] | None = None,
-) -> Path:
-    """Draw several partitions side by side, e.g. one panel per alpha.
-
-    All panels share one colour scale and colourbar so that they can be
-    compared, as in the paper's three-panel figure.
-
-    Parameters
-    ----------
-    panels : list of (str, numpy.ndarray)
-        ``(panel title, [num_clients, num_classes] counts)`` pairs.
-    path : path-like
-        PNG file to write (atomically; parent folders are created).
-    title : str, optional
-        Overall title.
-    class_names : sequence of str, optional
-        Labels for the class axis of the first panel (at most 50 classes).
-
-    Returns
-    -------
-    pathlib.Path
-        ``path``.
-    """
-    from matplotlib.colors import Normalize
-    from matplotlib.figure import Figure
-
-    if not panels:
-        raise ConfigError("plot_partitions needs at least one panel")
-    checked = [(str(name), _check_counts(c, f"counts of panel {name!r}")) for name, c in panels]
-    vmax = max(float(c.max()) for _, c in checked)
-    norm = Normalize(vmin=0.0, vmax=vmax if vmax > 0 else 1.0)
-    max_clients = max(c.shape[0] for _, c in checked)
-    max_classes = max(c.shape[1] for _, c in checked)
-    width = len(checked) * min(2.5 + 0.3 * max_clients, 8) + 1.5
-    height = min(3 + 0.06 * max_classes, 14)
-    fig = Figure(figsize=(width, height))
-    axes = fig.subplots(1, len(checked), squeeze=False)[0]
-    image = None
-    for i, (ax, (name, counts)) in enumerate(zip(axes, checked)):
-        names = class_names if i == 0 else None
-        _check_class_names(names, counts.shape[1])
-        image = _draw_heatmap(ax, counts, norm, names)
-        ax.set_title(name)
-        if i > 0:
-            ax.set_ylabel("")
-    fig.colorbar(image, ax=list(axes), label="Training images")
-    if title:
-        fig.suptitle(title)
-    return _save_figure(fig, Path(path))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fedspc_app.core.partition RUN_DIR... [-o PNG]``: draw saved partitions.
-
-    One run folder (or partition.json) gives one heatmap; several give side-by-side
-    panels titled by their alpha, like the paper's Figures 3 and 4.
-    """
-    import argparse
-
-    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", help="run folders or partition.json files")
-    parser.add_argument("-o", "--output", help="PNG to write (default: <run>/partition.png)")
-    args = parser.parse_args(argv)
-    try:
-        loaded = [load_partition_counts(path) for path in args.runs]
-    except DataError as error:
-        print(f"fedspc: {error}", file=sys.stderr)
-        return 1
-    first = Path(args.runs[0])
-    default = (first if first.is_dir() else first.parent) / "partition.png"
-    output = Path(args.output) if args.output else default
-    if len(loaded) == 1:
-        data = loaded[0]
-        plot_partition(data["train_counts"], output,
-                       title=f"alpha = {data['alpha']:g}, {data['num_clients']} clients")
-    else:
-        plot_partitions([(f"alpha = {d['alpha']:g}", d["train_counts"]) for d in loaded],
-                        output)
-    print(output)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

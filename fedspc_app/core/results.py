@@ -20,7 +20,8 @@ import io
 import json
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from flwr.app import Message, MetricRecord
@@ -29,6 +30,8 @@ from flwr.serverapp import Grid
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.files import atomic_write
 
+CONFIG_JSON, METRICS_JSON, METRICS_CSV, SUMMARY_JSON = (
+    "config.json", "metrics.json", "metrics.csv", "summary.json")
 SCALAR_COLUMNS = (
     "round", "accuracy", "weighted-accuracy", "loss", "train-loss", "clients",
     "train-clients", "bytes-sent", "bytes-received", "train-images", "images-per-second",
@@ -49,6 +52,32 @@ def _clean(value: Any) -> Any:
     if isinstance(value, list):
         return [_clean(v) for v in value]
     return value
+
+
+def start_results(run_dir: Path, config: Mapping[str, Any]) -> None:
+    """Create ``run_dir``, remove a previous run's metrics and summary, write
+    ``config.json``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (METRICS_JSON, METRICS_CSV, SUMMARY_JSON):
+        (run_dir / stale).unlink(missing_ok=True)
+    atomic_write(run_dir / CONFIG_JSON, json.dumps(config, indent=2, default=_json_default))
+
+
+def write_metrics(run_dir: Path, payload: Mapping[str, Any], rows: Iterable[Mapping[str, Any]],
+                  columns: Sequence[str], *, lineterminator: str = "\r\n") -> None:
+    """``metrics.json`` (``payload``) and ``metrics.csv`` (the ``columns`` of ``rows``;
+    a missing or None value is empty)."""
+    atomic_write(run_dir / METRICS_JSON, json.dumps(payload, indent=2, default=_json_default))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore",
+                            lineterminator=lineterminator)
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(run_dir / METRICS_CSV, buffer.getvalue())
+
+
+def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> None:
+    atomic_write(run_dir / SUMMARY_JSON, json.dumps(summary, indent=2))
 
 
 def format_duration(seconds: float) -> str:
@@ -142,12 +171,7 @@ class RunRecorder:
 
         A resumed run passes the rounds and the wall time of its checkpoint.
         """
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in ("metrics.json", "metrics.csv", "summary.json"):
-            (self.run_dir / stale).unlink(missing_ok=True)
-        payload = {"run-config": self.config.to_dict(), **(extra or {})}
-        atomic_write(self.run_dir / "config.json",
-                     json.dumps(payload, indent=2, default=_json_default))
+        start_results(self.run_dir, {"run-config": self.config.to_dict(), **(extra or {})})
         self.rounds = [dict(row) for row in rounds or []]
         self.started = time.perf_counter() - elapsed
         self.last = time.perf_counter()
@@ -166,15 +190,7 @@ class RunRecorder:
         payload = {"run-name": self.config.resolved_run_name, "rounds": self.rounds}
         if summary is not None:
             payload["summary"] = summary
-        atomic_write(self.run_dir / "metrics.json",
-                     json.dumps(_clean_tree(payload), indent=2, default=_json_default))
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=SCALAR_COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        for row in self.rounds:
-            writer.writerow({k: ("" if row.get(k) is None else row.get(k))
-                             for k in SCALAR_COLUMNS})
-        atomic_write(self.run_dir / "metrics.csv", buffer.getvalue())
+        write_metrics(self.run_dir, _clean_tree(payload), self.rounds, SCALAR_COLUMNS)
 
     # ---------------------------------------------------------------- rounds
     def on_round_end(self, server_round: int, train: MetricRecord | None,
@@ -257,7 +273,7 @@ class RunRecorder:
                 "bytes-received": sum(r["bytes-received"] for r in self.rounds),
             })
         self._write_metrics(summary)
-        atomic_write(self.run_dir / "summary.json", json.dumps(_clean_tree(summary), indent=2))
+        write_summary(self.run_dir, _clean_tree(summary))
         if evaluated:
             self.echo(
                 f"[{self.config.label}] done in {format_duration(summary['wall-seconds'])}: "

@@ -9,11 +9,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError
 
 APP_DIR = Path(__file__).resolve().parents[2]
-_PAIR = r"""[^\s=]+=(?:"(?:[^"\\]|\\.)*"|'[^']*'|[^\s"']+)"""
-_ASSIGNMENTS = re.compile(rf"\s*{_PAIR}(?:\s+{_PAIR})*\s*")
+_KEY = r"[^\s=]+"
+_VALUE = r"""(?:"(?:[^"\\]|\\.)*"|'[^']*'|[^\s"']+)"""
+_PAIR_GROUPS = re.compile(rf"({_KEY})=({_VALUE})")
+_ASSIGNMENTS = re.compile(rf"\s*{_KEY}={_VALUE}(?:\s+{_KEY}={_VALUE})*\s*")
 
 
 def app_defaults(app_dir: Path = APP_DIR) -> dict[str, Any]:
@@ -22,16 +25,21 @@ def app_defaults(app_dir: Path = APP_DIR) -> dict[str, Any]:
 
 
 def absolute_paths(run_config: Mapping[str, Any]) -> dict[str, Any]:
-    """Make ``output-dir`` and ``data-dir`` absolute (relative to this process's cwd).
-
-    The ServerApp and ClientApps resolve relative paths against their own working
-    directory, which is the SuperLink's, not the caller's.
-    """
+    """``output-dir`` and ``data-dir`` made absolute against this process's cwd (the
+    ServerApp and ClientApps would resolve them against the SuperLink's)."""
     out = dict(run_config)
     for key in ("output-dir", "data-dir"):
         if out.get(key):
             out[key] = str(Path(str(out[key])).expanduser().resolve())
     return out
+
+
+def resolve_run_config(overrides: Mapping[str, Any], app_dir: Path = APP_DIR
+                       ) -> tuple[dict[str, Any], RunConfig]:
+    """The app's defaults, then ``overrides``, paths absolute; and that, parsed and checked."""
+    defaults = absolute_paths({"output-dir": "results", **app_defaults(app_dir)})
+    merged = {**defaults, **absolute_paths(overrides)}
+    return merged, parse_run_config(merged)
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
@@ -46,22 +54,23 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 
 
 def parse_assignments(text: str) -> dict[str, Any]:
-    """``"a=1 b='x'"`` → ``{"a": 1, "b": "x"}`` (values are TOML), as ``flwr run`` reads them.
-
-    Flower's parser drops a word without ``=`` silently; here every word must be a
-    ``key=value`` pair.
-    """
-    from click import ClickException
-    from flwr.common.config import parse_config_args
-
+    """``"a=1 b='x'"`` → ``{"a": 1, "b": "x"}``: values are TOML scalars, as ``flwr run
+    --run-config`` reads them, but a word that is not a ``key=value`` pair is an error."""
     if not text.strip():
         return {}
     if not _ASSIGNMENTS.fullmatch(text):
         raise ConfigError(f"overrides must be space-separated key=value pairs, got {text!r}")
-    try:
-        return dict(parse_config_args([text]))
-    except ClickException as error:
-        raise ConfigError(f"cannot parse overrides {text!r}: {error.message}") from None
+    values: dict[str, Any] = {}
+    for key, raw in _PAIR_GROUPS.findall(text):
+        try:
+            value = tomllib.loads(f"value = {raw}")["value"]
+        except tomllib.TOMLDecodeError:
+            value = None
+        if not isinstance(value, (bool, int, float, str)):
+            raise ConfigError(f"override {key}={raw}: the value must be a TOML number, "
+                              "true/false or a quoted string")
+        values[key] = value
+    return values
 
 
 def load_overrides(preset: str | Path | None = None, assignments: str = "") -> dict[str, Any]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import tempfile
 import time
@@ -22,18 +21,25 @@ from typing import Any
 
 import tomli_w
 
-from fedspc_app.core.config import parse_run_config
-from fedspc_app.launch.processes import console_script, free_port, run_logged
-from fedspc_app.launch.runconfig import APP_DIR, absolute_paths, app_defaults
+from fedspc_app.launch.processes import (
+    OwnedProcess,
+    child_env,
+    console_script,
+    free_port,
+    launch_failed,
+    run_logged,
+)
+from fedspc_app.launch.runconfig import APP_DIR, resolve_run_config
 
 CONNECTION = "fedspc-sim"
 
 
-def simulation_env(flwr_home: Path) -> dict[str, str]:
-    """Environment for the SuperLink and ``flwr``: private home, no runtime installs."""
-    env = os.environ.copy()
+def flower_env(flwr_home: str | os.PathLike[str]) -> dict[str, str]:
+    """Environment for Flower's processes and ``flwr``: a private home, no runtime
+    installs, this interpreter's console scripts first on PATH."""
+    env = child_env()
     env.update({
-        "FLWR_HOME": str(flwr_home),
+        "FLWR_HOME": str(Path(flwr_home)),
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
         "FLWR_DISABLE_UPDATE_CHECK": "1",
@@ -51,13 +57,20 @@ class LocalSuperLink:
         self.log_file = log_file or self.flwr_home / "superlink.log"
         self.startup_timeout = startup_timeout
         self.port = 0
-        self.process: subprocess.Popen | None = None
+        self._owned: OwnedProcess | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def process(self) -> subprocess.Popen | None:
+        """The ``flower-superlink`` process while it is owned (None before start, after stop)."""
+        return self._owned.process if self._owned else None
+
     def start(self) -> "LocalSuperLink":
+        """Start it and wait for ``/health``; :class:`LaunchFailed` (quoting the log's
+        tail) if it exits or stays silent for ``startup_timeout`` s."""
         self.flwr_home.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         config = {"superlink": {"default": CONNECTION,
@@ -69,43 +82,30 @@ class LocalSuperLink:
             "--host", "127.0.0.1", "--port", str(self.port),
             "--disable-runtime-dependency-installation",
         ]
-        log = open(self.log_file, "ab")  # noqa: SIM115 - owned by the process
-        self.process = subprocess.Popen(
-            command, env=simulation_env(self.flwr_home), stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: stop() ends Ray with it
-        )
-        log.close()
+        self._owned = OwnedProcess(command, env=flower_env(self.flwr_home),
+                                   log_file=self.log_file).start()
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"flower-superlink exited with code {self.process.returncode}; "
-                    f"see {self.log_file}"
-                )
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"http://{self.address}/health", timeout=1):
-                    return self
+            if not self._owned.alive():
+                error = launch_failed(
+                    f"flower-superlink exited with code {self._owned.process.returncode}",
+                    self.log_file)
+                self.stop()
+                raise error
+            with contextlib.suppress(OSError), \
+                    urllib.request.urlopen(f"http://{self.address}/health", timeout=1):
+                return self
             time.sleep(0.3)
+        error = launch_failed(
+            f"flower-superlink did not start within {self.startup_timeout:.0f} s", self.log_file)
         self.stop()
-        raise RuntimeError(f"flower-superlink did not start within {self.startup_timeout:.0f} s;"
-                           f" see {self.log_file}")
+        raise error
 
     def stop(self, timeout: float = 20.0) -> None:
-        """Terminate the SuperLink's whole process group (SIGTERM, then SIGKILL)."""
-        if self.process is None:
-            return
-        pgid = self.process.pid
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=5)
-        self.process = None
+        """Stop the SuperLink with its SuperExec, ServerApps and Ray (:func:`stop_tree`)."""
+        if self._owned is not None:
+            self._owned.stop(timeout)
+            self._owned = None
 
     def __enter__(self) -> "LocalSuperLink":
         return self.start()
@@ -136,7 +136,7 @@ def flwr_run(superlink: LocalSuperLink, run_config: Mapping[str, Any], *, client
         "--federation-config", federation_config(clients, client_cpus, client_gpus),
     ]
     try:
-        return run_logged(command, env=simulation_env(superlink.flwr_home), log_file=log_file,
+        return run_logged(command, env=flower_env(superlink.flwr_home), log_file=log_file,
                           timeout=timeout, echo=echo, what="flwr run")
     finally:
         os.unlink(config_path)
@@ -150,15 +150,11 @@ def submit_and_check(run_config: Mapping[str, Any], submit: Callable[[dict], int
                      app_dir: Path = APP_DIR, log_file: Path | None = None) -> dict[str, Any]:
     """Validate ``run_config``, hand the merged config to ``submit``, return the summary.
 
-    ``submit(run_config) -> exit code`` starts the run (``flwr run`` on some
-    connection) and waits for it. The config is checked here first, so a typo fails
-    at once. ``flwr run`` exits 0 even when the ServerApp fails, so success is
-    judged by a complete ``summary.json`` written by this run.
+    ``submit(merged) -> exit code`` runs it (``flwr run`` on some connection) and
+    waits. ``flwr run`` exits 0 even when the ServerApp fails, so success is a
+    complete ``summary.json`` written by this run.
     """
-    overrides = absolute_paths(run_config)
-    defaults = absolute_paths({"output-dir": "results", **app_defaults(app_dir)})
-    merged = {**defaults, **overrides}
-    config = parse_run_config(merged)
+    merged, config = resolve_run_config(run_config, app_dir)
     summary_path = config.run_dir / "summary.json"
     started = time.time()
     code = submit(merged)

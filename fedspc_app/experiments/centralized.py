@@ -1,47 +1,28 @@
 """The pooled-data reference: one model trained on the union of all clients' data.
 
-The paper (Section 5) reports a centralized model trained on the union of all
-client data for 200 epochs with learning rate 0.1. Every training image belongs to
-exactly one client under the Dirichlet partition, so that union is the whole
-training set. The dataset, model, augmentation, batch size and device are built
-exactly as for the federated runs (:mod:`fedspc_app.core.task`), training is
-:func:`fedspc_app.core.training.train_epochs` with SGD, and top-1 accuracy is measured
-on the official test set::
-
-    python -m fedspc_app.centralized --run-config conf/cifar100-resnet34.toml \\
-        --set "data-dir='/data'" --epochs 200 --learning-rate 0.1
-
-The results folder ``<output-dir>/<run-name>/`` (default run-name
-``centralized-<dataset>-<model>-s<seed>``) holds ``config.json``, ``metrics.json``
-and ``metrics.csv`` (one row per evaluated epoch) and ``summary.json`` (final and
-best accuracy, ``"complete": true``), written atomically after every evaluation.
-
-The run-config's ``learning-rate`` (the federated η) is replaced by
-``--learning-rate``; ``momentum`` and ``weight-decay`` come from the run-config.
-The SGD optimizer is rebuilt every epoch (so that the rate can follow
-``--lr-schedule``), which restarts the momentum buffer each epoch.
+Every training image belongs to exactly one client, so that union is the whole
+training set (the paper: 200 epochs at learning rate 0.1). Dataset, model,
+augmentation, batch size and device are built as for the federated runs; the
+run-config's ``learning-rate`` (the federated η) is replaced by the reference's.
+The SGD optimizer is rebuilt every epoch (so that the rate can follow the
+schedule), which restarts its momentum buffer. Results go to
+``<output-dir>/<run-name>/`` (default run-name ``centralized-<dataset>-<model>-s<seed>``)
+in the federated runs' format, with one ``metrics.csv`` row per evaluated epoch.
 """
 
 from __future__ import annotations
 
-import argparse
-import csv
-import io
-import json
 import math
-import sys
 import time
-import tomllib
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError, FedSPCError
-from fedspc_app.core.files import atomic_write
-from fedspc_app.core.results import format_duration
+from fedspc_app.core.results import format_duration, start_results, write_metrics, write_summary
+from fedspc_app.launch.runconfig import app_defaults
 
 CSV_COLUMNS = ("epoch", "accuracy", "loss", "train-loss", "learning-rate", "train-images",
                "epoch-seconds", "elapsed-seconds")
@@ -61,46 +42,34 @@ def default_run_name(config: RunConfig) -> str:
     return f"centralized-{config.dataset}-{config.model}-s{config.seed}"
 
 
-def _write_metrics(run_dir: Path, name: str, rows: list[dict[str, Any]],
+def build_config(run_config: Mapping[str, Any], *, run_name: str | None = None,
+                 output_dir: str | None = None) -> RunConfig:
+    """The app defaults, then ``run_config``, validated; default run-name filled in."""
+    merged = {**app_defaults(), **run_config}
+    if output_dir:
+        merged["output-dir"] = output_dir
+    if run_name:
+        merged["run-name"] = run_name
+    config = parse_run_config(merged)
+    if not config.run_name:
+        config = config.replace(run_name=default_run_name(config))
+    return config
+
+
+def _write_metrics(config: RunConfig, rows: list[dict[str, Any]],
                    summary: Mapping[str, Any] | None = None) -> None:
-    payload: dict[str, Any] = {"run-name": name, "mode": "centralized", "epochs": rows}
+    payload: dict[str, Any] = {"run-name": config.resolved_run_name, "mode": "centralized",
+                               "epochs": rows}
     if summary is not None:
         payload["summary"] = dict(summary)
-    atomic_write(run_dir / "metrics.json", json.dumps(payload, indent=2))
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS, extrasaction="ignore",
-                            lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write(run_dir / "metrics.csv", buffer.getvalue())
+    write_metrics(config.run_dir, payload, rows, CSV_COLUMNS, lineterminator="\n")
 
 
 def train_centralized(config: RunConfig, *, epochs: int = 200, learning_rate: float = 0.1,
                       eval_every: int = 1, lr_schedule: str = "constant",
                       echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """Train the run's model on the whole training set; evaluate on the test set.
-
-    Parameters
-    ----------
-    config : RunConfig
-        Dataset, model, batch size, augmentation, device, seed, momentum, weight
-        decay and the results folder (``config.run_dir``).
-    epochs : int
-        Passes over the training set (paper: 200).
-    learning_rate : float
-        SGD learning rate (paper: 0.1).
-    eval_every : int
-        Evaluate every this many epochs (and after the last one).
-    lr_schedule : {"constant", "cosine"}
-        Per-epoch learning-rate schedule.
-    echo : callable
-        Where progress lines go.
-
-    Returns
-    -------
-    dict
-        The summary written to ``summary.json``.
-    """
+    """Train ``config``'s model on the whole training set with SGD, evaluating on the
+    test set every ``eval_every`` epochs and after the last; return the summary."""
     if epochs < 1 or eval_every < 1 or not learning_rate > 0:
         raise ConfigError(f"epochs and eval-every must be >= 1 and the learning rate > 0, "
                           f"got {epochs}, {eval_every}, {learning_rate}")
@@ -115,6 +84,7 @@ def train_centralized(config: RunConfig, *, epochs: int = 200, learning_rate: fl
         use_augmentation,
     )
     from fedspc_app.core.training import evaluate_model, train_epochs
+
     config = config.replace(learning_rate=learning_rate)
     dataset = load_run_dataset(config)
     device = resolve_device(config)
@@ -124,7 +94,6 @@ def train_centralized(config: RunConfig, *, epochs: int = 200, learning_rate: fl
     test_indices = np.arange(dataset.num_test)
     generator = seeded_generator("centralized", config.seed)
     trainable = [name for name, _ in model.named_parameters()]
-    name = config.resolved_run_name
     run_dir = config.run_dir
 
     def train_batches():
@@ -132,17 +101,14 @@ def train_centralized(config: RunConfig, *, epochs: int = 200, learning_rate: fl
                                shuffle=True, augment=augment, generator=generator,
                                device=device)
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.json", "metrics.csv", "summary.json"):
-        (run_dir / stale).unlink(missing_ok=True)
-    atomic_write(run_dir / "config.json", json.dumps({
+    start_results(run_dir, {
         "run-config": config.to_dict(), "mode": "centralized",
         "centralized": {"epochs": epochs, "learning-rate": learning_rate,
                         "eval-every": eval_every, "lr-schedule": lr_schedule},
         "dataset": {"name": dataset.name, "train": dataset.num_train,
                     "test": dataset.num_test, "classes": dataset.num_classes},
         "device": str(device),
-    }, indent=2))
+    })
     echo(f"[centralized] {config.model} on {dataset.name}: {dataset.num_train} training "
          f"images, {epochs} epochs, lr {learning_rate:g} ({lr_schedule}), "
          f"{device}; results in {run_dir}")
@@ -167,7 +133,7 @@ def train_centralized(config: RunConfig, *, epochs: int = 200, learning_rate: fl
                "elapsed-seconds": round(now - started, 3)}
         last = now
         rows.append(row)
-        _write_metrics(run_dir, name, rows)
+        _write_metrics(config, rows)
         eta = format_duration((now - started) / epoch * (epochs - epoch))
         echo(f"[centralized] epoch {epoch:>{len(str(epochs))}}/{epochs} | accuracy "
              f"{100 * row['accuracy']:6.2f}% | loss {row['loss']:.4f} | train-loss "
@@ -186,57 +152,9 @@ def train_centralized(config: RunConfig, *, epochs: int = 200, learning_rate: fl
         "final-loss": final["loss"], "best-epoch": best["epoch"],
         "best-accuracy": best["accuracy"],
     }
-    _write_metrics(run_dir, name, rows, summary)
-    atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2))
+    _write_metrics(config, rows, summary)
+    write_summary(run_dir, summary)
     echo(f"[centralized] done in {format_duration(summary['wall-seconds'])}: final accuracy "
          f"{100 * final['accuracy']:.2f}% (epoch {final['epoch']}), best "
          f"{100 * best['accuracy']:.2f}% (epoch {best['epoch']}); results in {run_dir}")
     return summary
-
-
-def build_config(run_config: Mapping[str, Any], *, run_name: str | None = None,
-                 output_dir: str | None = None) -> RunConfig:
-    """The app defaults, then ``run_config``, validated; default run-name filled in."""
-    from fedspc_app.launch.runconfig import app_defaults
-
-    merged = {**app_defaults(), **run_config}
-    if output_dir:
-        merged["output-dir"] = output_dir
-    if run_name:
-        merged["run-name"] = run_name
-    config = parse_run_config(merged)
-    if not config.run_name:
-        config = config.replace(run_name=default_run_name(config))
-    return config
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from fedspc_app.launch.runconfig import parse_assignments, read_toml
-
-    parser = argparse.ArgumentParser(prog="python -m fedspc_app.centralized",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-config", help="TOML run-config (e.g. conf/*.toml)")
-    parser.add_argument("--set", default="", help='overrides, e.g. "data-dir=\'/data\'"')
-    parser.add_argument("--epochs", type=int, default=200, help="default: 200 (paper)")
-    parser.add_argument("--learning-rate", type=float, default=0.1,
-                        help="default: 0.1 (paper)")
-    parser.add_argument("--eval-every", type=int, default=1,
-                        help="evaluate every N epochs (and after the last)")
-    parser.add_argument("--lr-schedule", choices=SCHEDULES, default="constant")
-    parser.add_argument("--output-dir", help="parent of the results folder")
-    parser.add_argument("--run-name", help="results folder name")
-    args = parser.parse_args(argv)
-    try:
-        run_config = read_toml(args.run_config) if args.run_config else {}
-        run_config.update(parse_assignments(args.set))
-        config = build_config(run_config, run_name=args.run_name, output_dir=args.output_dir)
-        train_centralized(config, epochs=args.epochs, learning_rate=args.learning_rate,
-                          eval_every=args.eval_every, lr_schedule=args.lr_schedule)
-    except (FedSPCError, OSError, tomllib.TOMLDecodeError) as error:
-        print(f"fedspc: {error}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,3 @@
+from fedspc_app.experiments.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,182 @@
+"""``python -m fedspc_app.experiments``: experiment grids, their report, the
+centralized reference and partition figures::
+
+    python -m fedspc_app.experiments run GRID.yaml [--only AXIS=V1,V2] [--dry-run]
+        [--output-dir DIR] [--set "k=v ..."] [--retry-failed]
+        [--clients N] [--client-cpus X] [--client-gpus X] [--timeout S]
+    python -m fedspc_app.experiments list GRID.yaml        # the same as run --dry-run
+    python -m fedspc_app.experiments report GRID_DIR_OR_YAML [--out DIR]
+    python -m fedspc_app.experiments centralized [--run-config TOML] [--set "k=v ..."]
+        [--epochs 200] [--learning-rate 0.1] [--eval-every 1] [--lr-schedule constant]
+    python -m fedspc_app.experiments partition RUN_DIR... [-o PNG]
+
+Bad input is one ``fedspc: ...`` line on stderr and exit code 2; ``run`` exits
+with 1 when a cell failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+from fedspc_app.core.errors import ConfigError, FedSPCError
+from fedspc_app.core.partition import load_partition_counts
+from fedspc_app.experiments import centralized
+from fedspc_app.experiments.grid import Grid, filter_cells, load_grid, parse_only
+from fedspc_app.experiments.layout import LOGS_DIR, REPORT_DIR
+from fedspc_app.experiments.plots import plot_partition, plot_partitions
+from fedspc_app.experiments.records import load_records
+from fedspc_app.experiments.reports import write_report
+from fedspc_app.experiments.runner import CellRunner, print_plan, run_grid
+from fedspc_app.launch.cli import BAD_INPUT, FAILED, fail
+from fedspc_app.launch.processes import exit_on_termination
+from fedspc_app.launch.runconfig import load_overrides, parse_assignments
+
+
+# ------------------------------------------------------------------- commands
+def _grid(args: argparse.Namespace) -> Grid:
+    """The grid with ``--set`` applied and the ``--clients``/... overrides checked."""
+    grid = load_grid(args.grid, output_dir=args.output_dir,
+                     overrides=parse_assignments(args.set))
+    sim = grid.simulation
+    chosen = {"clients": args.clients, "client_cpus": args.client_cpus,
+              "client_gpus": args.client_gpus, "timeout": args.timeout}
+    simulation = dataclasses.replace(sim, **{k: v for k, v in chosen.items() if v is not None})
+    return dataclasses.replace(grid, simulation=simulation)
+
+
+def run(args: argparse.Namespace) -> int:
+    grid = _grid(args)
+    cells = filter_cells(grid, parse_only(args.only))
+    if args.command == "list" or args.dry_run:
+        print_plan(grid, cells)
+        return 0
+    runner = CellRunner(grid.simulation, echo=args.echo,
+                        flwr_home=Path(args.flwr_home) if args.flwr_home else None,
+                        superlink_log=grid.directory / LOGS_DIR / "superlink.log")
+    with exit_on_termination(), runner:
+        outcome = run_grid(grid, cells, runner=runner, retry_failed=args.retry_failed)
+    if not args.no_report:
+        report(str(grid.directory), None, None)
+    return 0 if outcome.ok else FAILED
+
+
+def report(target: str, out: str | None, output_dir: str | None) -> Path:
+    """Write the report of a grid folder (or of a grid file's folder)."""
+    path = Path(target)
+    if path.is_file():
+        grid = load_grid(path, output_dir=output_dir)
+        directory, title = grid.directory, grid.name
+        cells = [cell.to_dict() for cell in grid.cells]
+    else:
+        directory, title, cells = path.resolve(), path.resolve().name, None
+    if not directory.is_dir():
+        raise ConfigError(f"no results at {directory}")
+    records = load_records(directory, cells)
+    out_dir = Path(out) if out else directory / REPORT_DIR
+    written = write_report(records, out_dir, title=title)
+    print(f"Report of {len(records)} cells: {out_dir} ({len(written)} files)")
+    return out_dir
+
+
+def report_command(args: argparse.Namespace) -> int:
+    report(args.grid, args.out, args.output_dir)
+    return 0
+
+
+def train_reference(args: argparse.Namespace) -> int:
+    config = centralized.build_config(load_overrides(args.run_config, args.set),
+                                      run_name=args.run_name, output_dir=args.output_dir)
+    centralized.train_centralized(config, epochs=args.epochs, learning_rate=args.learning_rate,
+                                  eval_every=args.eval_every, lr_schedule=args.lr_schedule)
+    return 0
+
+
+def draw_partitions(args: argparse.Namespace) -> int:
+    """One run folder gives one heatmap; several give panels titled by their α."""
+    loaded = [load_partition_counts(path) for path in args.runs]
+    first = Path(args.runs[0])
+    output = Path(args.output) if args.output else (
+        (first if first.is_dir() else first.parent) / "partition.png")
+    if len(loaded) == 1:
+        data = loaded[0]
+        plot_partition(data["train_counts"], output,
+                       title=f"alpha = {data['alpha']:g}, {data['num_clients']} clients")
+    else:
+        plot_partitions([(f"alpha = {d['alpha']:g}", d["train_counts"]) for d in loaded],
+                        output)
+    print(output)
+    return 0
+
+
+# --------------------------------------------------------------------- parser
+def _add_grid_commands(commands: argparse._SubParsersAction) -> None:
+    for name in ("run", "list"):
+        sub = commands.add_parser(name, help="run the grid's pending cells" if name == "run"
+                                  else "print the plan (the same as run --dry-run)")
+        sub.add_argument("grid", help="grid file (YAML)")
+        sub.add_argument("--only", action="append", default=[], metavar="AXIS=V1,V2",
+                         help="keep cells with these axis values (repeatable; "
+                              "'mode=centralized' selects the centralized references)")
+        sub.add_argument("--output-dir", help="parent of the grid's folder")
+        sub.add_argument("--set", default="", help='run-config overrides for every cell, '
+                                                   'e.g. "data-dir=\'/data\'"')
+        sub.add_argument("--clients", type=int)
+        sub.add_argument("--client-cpus", type=float)
+        sub.add_argument("--client-gpus", type=float)
+        sub.add_argument("--timeout", type=float, help="seconds one cell may take")
+        if name == "run":
+            sub.add_argument("--dry-run", action="store_true", help="print the plan only")
+            sub.add_argument("--retry-failed", action="store_true",
+                             help="also rerun cells that failed before")
+            sub.add_argument("--no-report", action="store_true",
+                             help="do not write the report after running")
+            sub.add_argument("--echo", action="store_true",
+                             help="stream every cell's output, not only progress")
+            sub.add_argument("--flwr-home", help="keep the SuperLink's FLWR_HOME here")
+        sub.set_defaults(handler=run)
+    sub = commands.add_parser("report", help="tables and figures from a grid's results")
+    sub.add_argument("grid", help="grid folder (<output-dir>/<name>) or grid file")
+    sub.add_argument("--out", help="report folder (default: <grid folder>/report)")
+    sub.add_argument("--output-dir", help="with a grid file: parent of the grid's folder")
+    sub.set_defaults(handler=report_command)
+
+
+def _add_other_commands(commands: argparse._SubParsersAction) -> None:
+    sub = commands.add_parser("centralized", help="train the pooled-data reference",
+                              description=(centralized.__doc__ or "").split("\n\n")[0])
+    sub.add_argument("--run-config", help="TOML run-config (e.g. conf/*.toml)")
+    sub.add_argument("--set", default="", help='overrides, e.g. "data-dir=\'/data\'"')
+    sub.add_argument("--epochs", type=int, default=200, help="default: 200 (paper)")
+    sub.add_argument("--learning-rate", type=float, default=0.1, help="default: 0.1 (paper)")
+    sub.add_argument("--eval-every", type=int, default=1,
+                     help="evaluate every N epochs (and after the last)")
+    sub.add_argument("--lr-schedule", choices=centralized.SCHEDULES, default="constant")
+    sub.add_argument("--output-dir", help="parent of the results folder")
+    sub.add_argument("--run-name", help="results folder name")
+    sub.set_defaults(handler=train_reference)
+    sub = commands.add_parser("partition", help="draw saved partitions as heatmaps")
+    sub.add_argument("runs", nargs="+", help="run folders or partition.json files")
+    sub.add_argument("-o", "--output", help="PNG to write (default: <run>/partition.png)")
+    sub.set_defaults(handler=draw_partitions)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m fedspc_app.experiments",
+        description="Experiment grids (conf/experiments/*.yaml), their report, the "
+                    "centralized reference and partition figures.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_grid_commands(commands)
+    _add_other_commands(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (FedSPCError, OSError) as error:
+        return fail(error, BAD_INPUT)

@@ -1,0 +1,271 @@
+"""Every figure of the report: accuracy curves, the Δ bar chart and the partition
+heatmaps (the paper's Figures 3 and 4). matplotlib is imported when a figure is
+drawn, so that the rest of the package starts quickly."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.files import atomic_write
+from fedspc_app.core.partition import PARTITION_JSON, load_partition_counts
+from fedspc_app.experiments.layout import slug
+from fedspc_app.experiments.records import (
+    CENTRALIZED,
+    FEDERATED,
+    ResultRecord,
+    alpha_text,
+    alphas_of,
+    cell_stat,
+    display_method,
+    mean_curve,
+    mean_delta,
+    methods_of,
+    same_alpha,
+    settings_of,
+    unique,
+)
+
+
+def save_figure(fig: Any, path: Path, *, dpi: int = 120) -> Path:
+    """Render ``fig`` to a PNG at ``path`` (written atomically); return ``path``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
+    atomic_write(path, buffer.getvalue())
+    return path
+
+
+# ------------------------------------------------------------------- accuracy
+def plot_curves(records: Sequence[ResultRecord], setting: str, alpha: float,
+                path: str | Path) -> Path | None:
+    """Accuracy per round for each method of one (setting, α), base and +FedSPC.
+
+    One panel per method; the lines are means over seeds (shaded ± std). The
+    centralized reference of the setting, when there is one, is a dashed line.
+    Returns None when no cell of that (setting, α) has recorded a round.
+    """
+    from matplotlib.figure import Figure
+
+    chosen = [r for r in records if r.kind == FEDERATED and r.setting == setting
+              and same_alpha(r.alpha, alpha) and r.curve]
+    methods = methods_of(chosen)
+    if not methods:
+        return None
+    reference = cell_stat(records, method=CENTRALIZED, fedspc=False, alpha=None,
+                          setting=setting, kind=CENTRALIZED)
+    cols = len(methods) if len(methods) <= 5 else 4
+    rows = math.ceil(len(methods) / cols)
+    fig = Figure(figsize=(3.4 * cols, 3.0 * rows), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax, method in zip(axes, methods):
+        for fedspc, colour, label in ((False, "C0", "Base"), (True, "C1", "+FedSPC")):
+            steps, mean, std = mean_curve(r for r in chosen
+                                          if r.method == method and r.fedspc == fedspc)
+            if not steps:
+                continue
+            ax.plot(steps, mean, color=colour, label=label, marker="." if len(steps) < 30
+                    else None)
+            if any(std):
+                ax.fill_between(steps, [m - s for m, s in zip(mean, std)],
+                                [m + s for m, s in zip(mean, std)], color=colour, alpha=0.2)
+        if reference.mean is not None:
+            ax.axhline(reference.mean, color="0.4", linestyle="--", linewidth=1,
+                       label="Centralized")
+        ax.set_title(display_method(method))
+        ax.set_xlabel("Round")
+        ax.set_ylabel("Accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in axes[len(methods):]:
+        ax.set_visible(False)
+    fig.suptitle(f"{setting}, α = {alpha_text(alpha)}")
+    return save_figure(fig, Path(path))
+
+
+def plot_deltas(records: Sequence[ResultRecord], path: str | Path) -> Path | None:
+    """Bar chart of Δ (+FedSPC − Base, points) per method and α, one panel per
+    setting; None when no Δ can be computed yet."""
+    from matplotlib.figure import Figure
+
+    federated = [r for r in records if r.kind == FEDERATED]
+    settings = settings_of(federated)
+    methods = [m for m in methods_of(federated) if any(r.method == m and r.fedspc
+                                                        for r in federated)]
+    alphas = alphas_of(federated)
+    values = {
+        (s, m, a): mean_delta(*(cell_stat(federated, method=m, fedspc=f, alpha=a,
+                                          setting=s) for f in (False, True)))
+        for s in settings for m in methods for a in alphas
+    }
+    if all(v is None for v in values.values()):
+        return None
+    fig = Figure(figsize=(max(4.0, 1.1 * len(methods) + 1.5) * len(settings), 3.4),
+                 layout="constrained")
+    axes = fig.subplots(1, len(settings), squeeze=False)[0]
+    width = 0.8 / max(len(alphas), 1)
+    for ax, setting in zip(axes, settings):
+        for i, alpha in enumerate(alphas):
+            heights = [values[setting, m, alpha] for m in methods]
+            xs = [j + (i - (len(alphas) - 1) / 2) * width for j in range(len(methods))]
+            shown = [(x, h) for x, h in zip(xs, heights) if h is not None]
+            if not shown:  # an α without any Δ yet gets no bars and no legend entry
+                continue
+            bars = ax.bar([x for x, _ in shown], [h for _, h in shown], width=width,
+                          label=f"α = {alpha_text(alpha)}", color=f"C{i}")
+            ax.bar_label(bars, fmt="%+.2f", fontsize=7, padding=2)
+        ax.margins(y=0.12)  # room for the value labels
+        ax.axhline(0.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(methods)))
+        ax.set_xticklabels([display_method(m) for m in methods], rotation=30, ha="right")
+        ax.set_ylabel("Δ accuracy (points)")
+        ax.set_title(setting)
+        ax.grid(axis="y", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle("FedSPC gain: +FedSPC − Base (final round)")
+    return save_figure(fig, Path(path))
+
+
+def plot_partition_panels(records: Sequence[ResultRecord], out_dir: str | Path) -> list[Path]:
+    """``partitions-<dataset>.png``: per dataset one panel per α, from the cell with
+    the smallest seed that wrote a ``partition.json`` (the paper's Figures 3-4)."""
+    written = []
+    for dataset in unique(r.dataset for r in records if r.kind == FEDERATED):
+        chosen: dict[float, ResultRecord] = {}
+        for record in sorted((r for r in records if r.kind == FEDERATED
+                              and r.dataset == dataset and r.alpha is not None
+                              and r.run_dir is not None
+                              and (r.run_dir / PARTITION_JSON).is_file()),
+                             key=lambda r: r.seed):
+            chosen.setdefault(record.alpha, record)
+        if not chosen:
+            continue
+        panels, clients = [], set()
+        for alpha in sorted(chosen):
+            data = load_partition_counts(chosen[alpha].run_dir)
+            clients.add(int(data["num_clients"]))
+            panels.append((f"α = {alpha_text(alpha)}", data["train_counts"]))
+        title = f"{dataset}: training images per client and class"
+        if len(clients) == 1:
+            title += f" ({clients.pop()} clients)"
+        path = Path(out_dir) / f"partitions-{slug(dataset)}.png"
+        written.append(plot_partitions(panels, path, title=title))
+    return written
+
+
+# ------------------------------------------------------------------- partitions
+HEATMAP_DPI = 150
+
+
+def _check_counts(counts: Any, what: str = "counts") -> np.ndarray:
+    array = np.asarray(counts)
+    if array.ndim != 2 or 0 in array.shape:
+        raise ConfigError(
+            f"{what} must be a non-empty [num_clients, num_classes] array, got shape {array.shape}"
+        )
+    if not np.issubdtype(array.dtype, np.number) or not np.isfinite(array).all():
+        raise ConfigError(f"{what} must hold finite numbers")
+    if (array < 0).any():
+        raise ConfigError(f"{what} must be non-negative")
+    return array
+
+
+def _draw_heatmap(ax: Any, counts: np.ndarray, norm: Any, class_names: Sequence[str] | None) -> Any:
+    num_clients, num_classes = counts.shape
+    image = ax.imshow(
+        counts.T,
+        aspect="auto",
+        interpolation="nearest",
+        cmap="viridis",
+        norm=norm,
+        origin="upper",
+    )
+    ax.set_xlabel("Client")
+    ax.set_ylabel("Class")
+    x_step = max(1, math.ceil(num_clients / 20))
+    ax.set_xticks(np.arange(0, num_clients, x_step))
+    if class_names is not None and num_classes <= 50:
+        ax.set_yticks(np.arange(num_classes))
+        fontsize = 8 if num_classes <= 20 else 6
+        ax.set_yticklabels([str(name) for name in class_names], fontsize=fontsize)
+    else:
+        y_step = max(1, math.ceil(num_classes / 20))
+        ax.set_yticks(np.arange(0, num_classes, y_step))
+    return image
+
+
+def _check_class_names(class_names: Sequence[str] | None, num_classes: int) -> None:
+    if class_names is not None and len(class_names) != num_classes:
+        raise ConfigError(
+            f"class_names has {len(class_names)} entries for {num_classes} classes"
+        )
+
+
+def plot_partition(
+    counts: np.ndarray,
+    path: str | os.PathLike[str],
+    *,
+    title: str | None = None,
+    class_names: Sequence[str] | None = None,
+) -> Path:
+    """Draw ``[num_clients, num_classes]`` counts as a heatmap PNG (the paper's
+    Figure 3); ``class_names`` label the class axis when there are at most 50."""
+    from matplotlib.figure import Figure
+
+    counts = _check_counts(counts)
+    _check_class_names(class_names, counts.shape[1])
+    num_clients, num_classes = counts.shape
+    fig = Figure(figsize=(min(3 + 0.35 * num_clients, 14), min(3 + 0.06 * num_classes, 14)))
+    ax = fig.add_subplot(1, 1, 1)
+    image = _draw_heatmap(ax, counts, None, class_names)
+    fig.colorbar(image, ax=ax, label="Training images")
+    if title:
+        ax.set_title(title)
+    return save_figure(fig, Path(path), dpi=HEATMAP_DPI)
+
+
+def plot_partitions(
+    panels: list[tuple[str, np.ndarray]],
+    path: str | os.PathLike[str],
+    *,
+    title: str | None = None,
+    class_names: Sequence[str] | None = None,
+) -> Path:
+    """Draw ``(title, counts)`` panels side by side (e.g. one per α) on one shared
+    colour scale, as in the paper's Figures 3-4; ``class_names`` label the first."""
+    from matplotlib.colors import Normalize
+    from matplotlib.figure import Figure
+
+    if not panels:
+        raise ConfigError("plot_partitions needs at least one panel")
+    checked = [(str(name), _check_counts(c, f"counts of panel {name!r}")) for name, c in panels]
+    vmax = max(float(c.max()) for _, c in checked)
+    norm = Normalize(vmin=0.0, vmax=vmax if vmax > 0 else 1.0)
+    max_clients = max(c.shape[0] for _, c in checked)
+    max_classes = max(c.shape[1] for _, c in checked)
+    width = len(checked) * min(2.5 + 0.3 * max_clients, 8) + 1.5
+    height = min(3 + 0.06 * max_classes, 14)
+    fig = Figure(figsize=(width, height))
+    axes = fig.subplots(1, len(checked), squeeze=False)[0]
+    image = None
+    for i, (ax, (name, counts)) in enumerate(zip(axes, checked)):
+        names = class_names if i == 0 else None
+        _check_class_names(names, counts.shape[1])
+        image = _draw_heatmap(ax, counts, norm, names)
+        ax.set_title(name)
+        if i > 0:
+            ax.set_ylabel("")
+    fig.colorbar(image, ax=list(axes), label="Training images")
+    if title:
+        fig.suptitle(title)
+    return save_figure(fig, Path(path), dpi=HEATMAP_DPI)

@@ -1,0 +1,260 @@
+"""Result records: what the report knows about each cell of a grid, and statistics
+over seeds.
+
+:func:`load_records` reads one :class:`ResultRecord` per cell from the cells'
+``summary.json``, ``metrics.json`` and ``config.json``; the tables
+(:mod:`fedspc_app.experiments.reports`) and figures
+(:mod:`fedspc_app.experiments.plots`) are functions of those records.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedspc_app.core.errors import DataError
+from fedspc_app.experiments.layout import GRID_JSON, read_failures, read_json
+
+MISSING = "—"
+METHOD_NAMES = {
+    "fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD", "ditto": "Ditto",
+    "fedbabu": "FedBABU", "fedrep": "FedRep", "lgfedavg": "LG-FedAvg", "fedper": "FedPer",
+}
+"""Display names, in the paper's row order (Table 1)."""
+
+FEDERATED = "federated"
+CENTRALIZED = "centralized"
+
+
+# ------------------------------------------------------------------------ records
+@dataclass(frozen=True)
+class ResultRecord:
+    """What the report needs to know about one cell.
+
+    ``status`` is ``complete``, ``partial`` (started, not finished), ``failed`` or
+    ``missing``; ``rounds`` counts epochs for centralized runs; accuracies are
+    fractions in [0, 1] (final: the last evaluated round); ``curve`` holds
+    ``(round or epoch, accuracy)`` pairs; ``run_dir`` is the results folder.
+    """
+
+    name: str
+    kind: str = FEDERATED
+    method: str = ""
+    fedspc: bool = False
+    alpha: float | None = None
+    seed: int = 0
+    setting: str = ""
+    dataset: str = ""
+    status: str = "missing"
+    rounds: int | None = None
+    final_accuracy: float | None = None
+    best_accuracy: float | None = None
+    best_round: int | None = None
+    wall_seconds: float | None = None
+    curve: tuple[tuple[int, float], ...] = ()
+    run_dir: Path | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "complete"
+
+    @property
+    def label(self) -> str:
+        """Display label, e.g. ``FedRep+FedSPC``."""
+        return display_method(self.method) + ("+FedSPC" if self.fedspc else "")
+
+
+def display_method(method: str) -> str:
+    return METHOD_NAMES.get(method, method)
+
+
+def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
+                failed: bool = False) -> ResultRecord:
+    """The record of one results folder ``run_dir`` (which may not exist yet).
+
+    ``cell`` is the cell's ``grid.json`` entry; without it everything comes from
+    the folder's ``config.json`` and the setting is ``<dataset>-<model>``.
+    ``failed``: the cell is recorded as failed (shown when it did not finish).
+    """
+    config = read_json(run_dir / "config.json")
+    config = config if isinstance(config, dict) else {}
+    if cell is not None:
+        rc = dict(cell.get("run-config", {}))
+        kind = cell.get("kind", FEDERATED)
+        setting = cell.get("setting") or f"{rc.get('dataset')}-{rc.get('model')}"
+    else:
+        rc = dict(config.get("run-config", {}))
+        kind = CENTRALIZED if config.get("mode") == CENTRALIZED else FEDERATED
+        setting = f"{rc.get('dataset')}-{rc.get('model')}"
+    summary = read_json(run_dir / "summary.json")
+    summary = summary if isinstance(summary, dict) else {}
+    metrics = read_json(run_dir / "metrics.json")
+    metrics = metrics if isinstance(metrics, dict) else {}
+    step = "epoch" if kind == CENTRALIZED else "round"
+    rows = metrics.get("epochs" if kind == CENTRALIZED else "rounds") or []
+    curve = tuple((int(r[step]), float(r["accuracy"])) for r in rows
+                  if isinstance(r, dict) and isinstance(r.get("accuracy"), (int, float)))
+
+    if summary.get("complete") is True:
+        status = "complete"
+    elif failed:
+        status = "failed"
+    elif config or rows:
+        status = "partial"
+    else:
+        status = "missing"
+    if status == "complete":
+        final = summary.get("final-accuracy")
+        best = summary.get("best-accuracy")
+        best_round = summary.get("best-epoch" if kind == CENTRALIZED else "best-round")
+        rounds = summary.get("epochs" if kind == CENTRALIZED else "rounds")
+        wall = summary.get("wall-seconds")
+    else:
+        final = curve[-1][1] if curve else None
+        top = max(curve, key=lambda p: p[1]) if curve else None
+        best, best_round = (top[1], top[0]) if top else (None, None)
+        rounds = len(rows) if rows else None
+        wall = rows[-1].get("elapsed-seconds") if rows else None
+    alpha = rc.get("alpha")
+    return ResultRecord(
+        name=str(cell["name"]) if cell is not None else run_dir.name,
+        kind=kind,
+        method=CENTRALIZED if kind == CENTRALIZED else str(rc.get("method", "")),
+        fedspc=kind != CENTRALIZED and bool(rc.get("fedspc", False)),
+        alpha=None if kind == CENTRALIZED or alpha is None else float(alpha),
+        seed=int(rc.get("seed", 0)),
+        setting=str(setting),
+        dataset=str(rc.get("dataset", "")),
+        status=status,
+        rounds=rounds,
+        final_accuracy=final,
+        best_accuracy=best,
+        best_round=best_round,
+        wall_seconds=wall,
+        curve=curve,
+        run_dir=run_dir,
+    )
+
+
+def load_records(grid_dir: str | Path,
+                 cells: Sequence[Mapping[str, Any]] | None = None) -> list[ResultRecord]:
+    """One record per cell of a grid folder.
+
+    The cells come from ``cells`` (a grid's expansion), else the folder's
+    ``grid.json``, else every sub-folder holding a ``config.json``; cells without
+    results become ``missing`` records, so that tables show them as ``—``.
+    """
+    grid_dir = Path(grid_dir)
+    if cells is None:
+        grid = read_json(grid_dir / GRID_JSON)
+        if isinstance(grid, dict) and isinstance(grid.get("cells"), list):
+            cells = grid["cells"]
+    failures = read_failures(grid_dir)
+    if cells is not None:
+        return [read_record(grid_dir / str(cell["name"]), cell,
+                            failed=str(cell["name"]) in failures) for cell in cells]
+    folders = sorted(p.parent for p in grid_dir.glob("*/config.json"))
+    if not folders:
+        raise DataError(f"no grid.json and no run folders in {grid_dir}")
+    return [read_record(folder, failed=folder.name in failures) for folder in folders]
+
+
+# ---------------------------------------------------------------------- statistics
+@dataclass(frozen=True)
+class Stat:
+    """Mean and sample standard deviation (None below two values) of ``n`` values."""
+
+    mean: float | None
+    std: float | None
+    n: int
+
+    def text(self) -> str:
+        """``45.12 ± 0.34``, ``45.12`` for one value, ``—`` for none."""
+        if self.mean is None:
+            return MISSING
+        if self.std is None:
+            return f"{self.mean:.2f}"
+        return f"{self.mean:.2f} ± {self.std:.2f}"
+
+
+def summarize(values: Iterable[float]) -> Stat:
+    values = [float(v) for v in values]
+    if not values:
+        return Stat(None, None, 0)
+    std = statistics.stdev(values) if len(values) > 1 else None
+    return Stat(statistics.fmean(values), std, len(values))
+
+
+def delta_text(delta: float | None) -> str:
+    """``+1.23`` / ``-0.34`` / ``—``."""
+    return MISSING if delta is None else f"{delta:+.2f}"
+
+
+def mean_delta(base: Stat, spc: Stat) -> float | None:
+    """Δ = +FedSPC − Base of the means, None when either is missing."""
+    if base.mean is None or spc.mean is None:
+        return None
+    return spc.mean - base.mean
+
+
+def _accuracy(record: ResultRecord, metric: str) -> float | None:
+    value = record.final_accuracy if metric == "final" else record.best_accuracy
+    return None if value is None else 100.0 * value
+
+
+def cell_stat(records: Iterable[ResultRecord], *, method: str, fedspc: bool,
+              alpha: float | None, setting: str, metric: str = "final",
+              kind: str = FEDERATED) -> Stat:
+    """Accuracy (%) over the seeds of one table cell (complete runs only)."""
+    return summarize(
+        acc for r in records
+        if r.complete and r.kind == kind and r.method == method and r.fedspc == fedspc
+        and r.setting == setting and (kind == CENTRALIZED or same_alpha(r.alpha, alpha))
+        and (acc := _accuracy(r, metric)) is not None)
+
+
+def same_alpha(a: float | None, b: float | None) -> bool:
+    return a is not None and b is not None and math.isclose(a, b)
+
+
+def unique(items: Iterable[Any]) -> list[Any]:
+    out: list[Any] = []
+    for item in items:
+        if item not in out:
+            out.append(item)
+    return out
+
+
+def settings_of(records: Sequence[ResultRecord], kind: str = FEDERATED) -> list[str]:
+    """Settings in order of first appearance."""
+    return unique(r.setting for r in records if r.kind == kind)
+
+
+def alphas_of(records: Iterable[ResultRecord]) -> list[float]:
+    return sorted({r.alpha for r in records if r.kind == FEDERATED and r.alpha is not None})
+
+
+def methods_of(records: Iterable[ResultRecord]) -> list[str]:
+    """Base methods, the paper's order first, then others as they appear."""
+    seen = unique(r.method for r in records if r.kind == FEDERATED)
+    return [m for m in METHOD_NAMES if m in seen] + [m for m in seen if m not in METHOD_NAMES]
+
+
+def alpha_text(alpha: float) -> str:
+    """``0.01``, ``0.1``, ``1.0`` as the paper writes them."""
+    return repr(float(alpha))
+
+
+def mean_curve(records: Iterable[ResultRecord]) -> tuple[list[int], list[float], list[float]]:
+    """Rounds, mean accuracy (%) and its sample std (0 for one run) across records."""
+    by_round: dict[int, list[float]] = {}
+    for record in records:
+        for step, accuracy in record.curve:
+            by_round.setdefault(step, []).append(100.0 * accuracy)
+    steps = sorted(by_round)
+    stats = [summarize(by_round[s]) for s in steps]
+    return steps, [s.mean for s in stats], [s.std or 0.0 for s in stats]

@@ -1,0 +1,298 @@
+"""The report of a grid: the paper's Tables 1 and 3 and the other tables, in
+Markdown and CSV, with the figures, in ``<grid folder>/report/``.
+
+* Table 1 (:func:`table1`): rows method × α, one column per setting, final-round
+  accuracy (%).
+* Table 3 (:func:`table3`): rows PFL method × α; per setting Base, +FedSPC and
+  Δ = +FedSPC − Base.
+* Pairs (:func:`pairs_table`): Base vs +FedSPC over the whole run.
+* With several seeds a value is ``mean ± std`` (sample std) and Δ the difference
+  of the means; a cell without a finished run shows ``—``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedspc_app.core.files import atomic_write
+from fedspc_app.core.results import format_duration
+from fedspc_app.experiments.layout import slug
+from fedspc_app.experiments.plots import plot_curves, plot_deltas, plot_partition_panels
+from fedspc_app.experiments.records import (
+    CENTRALIZED,
+    FEDERATED,
+    MISSING,
+    ResultRecord,
+    alpha_text,
+    alphas_of,
+    cell_stat,
+    delta_text,
+    display_method,
+    mean_curve,
+    mean_delta,
+    methods_of,
+    same_alpha,
+    settings_of,
+)
+
+
+# -------------------------------------------------------------------------- tables
+@dataclass(frozen=True)
+class Table:
+    """A table twice: display strings (Markdown, with notes under it) and numbers,
+    one row per value (CSV: floats rounded to 4 decimals, "" = none)."""
+
+    columns: list[str]
+    rows: list[list[str]]
+    numeric: tuple[bool, ...]
+    csv_columns: list[str]
+    csv_rows: list[list[Any]]
+    notes: tuple[str, ...] = ()
+
+
+def _num(value: float | None) -> Any:
+    return "" if value is None else round(value, 4)
+
+
+def table1(records: Sequence[ResultRecord], *, metric: str = "final") -> Table:
+    """Table 1 format: rows method (with +FedSPC variants) × α, columns settings.
+
+    ``metric`` is ``"final"`` (final-round accuracy, the paper's) or ``"best"``.
+    """
+    settings = settings_of(records)
+    federated = [r for r in records if r.kind == FEDERATED]
+    rows, csv_rows = [], []
+    for method in methods_of(federated):
+        for fedspc in (False, True):
+            for alpha in alphas_of(r for r in federated
+                                   if r.method == method and r.fedspc == fedspc):
+                label = display_method(method) + ("+FedSPC" if fedspc else "")
+                row = [label, alpha_text(alpha)]
+                for setting in settings:
+                    stat = cell_stat(federated, method=method, fedspc=fedspc, alpha=alpha,
+                                     setting=setting, metric=metric)
+                    row.append(stat.text())
+                    csv_rows.append([display_method(method), str(fedspc).lower(),
+                                     alpha_text(alpha), setting, _num(stat.mean),
+                                     _num(stat.std), stat.n])
+                rows.append(row)
+    return Table(columns=["Method", "α", *settings], rows=rows,
+                 numeric=(False, False, *[True] * len(settings)),
+                 csv_columns=["method", "fedspc", "alpha", "setting", "accuracy", "std", "n"],
+                 csv_rows=csv_rows, notes=tuple(centralized_lines(records, metric=metric)))
+
+
+def table3(records: Sequence[ResultRecord], *, metric: str = "final") -> Table:
+    """Table 3 format: rows PFL method × α; per setting Base, +FedSPC and Δ.
+
+    Methods appear when some cell runs them with FedSPC.
+    """
+    settings = settings_of(records)
+    federated = [r for r in records if r.kind == FEDERATED]
+    methods = [m for m in methods_of(federated) if any(r.method == m and r.fedspc
+                                                        for r in federated)]
+    columns = ["Method", "α"]
+    for setting in settings:
+        columns += [f"{setting} Base", f"{setting} +FedSPC", f"{setting} Δ"]
+    rows, csv_rows = [], []
+    for method in methods:
+        for alpha in alphas_of(r for r in federated if r.method == method):
+            row = [display_method(method), alpha_text(alpha)]
+            for setting in settings:
+                base, spc = (cell_stat(federated, method=method, fedspc=flag, alpha=alpha,
+                                       setting=setting, metric=metric)
+                             for flag in (False, True))
+                delta = mean_delta(base, spc)
+                row += [base.text(), spc.text(), delta_text(delta)]
+                csv_rows.append([display_method(method), alpha_text(alpha), setting,
+                                 _num(base.mean), _num(base.std), base.n,
+                                 _num(spc.mean), _num(spc.std), spc.n, _num(delta)])
+            rows.append(row)
+    return Table(columns=columns, rows=rows,
+                 numeric=(False, False, *[True] * (3 * len(settings))),
+                 csv_columns=["method", "alpha", "setting", "base", "base_std", "base_n",
+                              "fedspc", "fedspc_std", "fedspc_n", "delta"],
+                 csv_rows=csv_rows, notes=tuple(centralized_lines(records, metric=metric)))
+
+
+def pairs_table(records: Sequence[ResultRecord], *, window: int = 5) -> Table:
+    """Base vs +FedSPC over the whole run, not only at the final round.
+
+    For each method × α × setting with complete Base and +FedSPC runs, the
+    seed-mean curves are compared on the rounds both recorded: Δ at the final
+    round, Δ of the mean over the last ``window`` of those rounds, Δ of the best
+    round, and in how many rounds +FedSPC is ahead of (or behind) Base. One seed's
+    final round can be noise; the window and the counts show whether a difference
+    holds over the run.
+    """
+    if window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
+    federated = [r for r in records if r.kind == FEDERATED and r.complete and r.curve]
+    rows, csv_rows = [], []
+    for setting in settings_of(federated):
+        for method in methods_of(federated):
+            for alpha in alphas_of(r for r in federated if r.method == method):
+                curves = []
+                for fedspc in (False, True):
+                    chosen = [r for r in federated if r.method == method
+                              and r.fedspc == fedspc and r.setting == setting
+                              and same_alpha(r.alpha, alpha)]
+                    steps, mean, _ = mean_curve(chosen)
+                    curves.append((dict(zip(steps, mean)), len(chosen)))
+                (base, n_base), (spc, n_spc) = curves
+                common = sorted(set(base) & set(spc))
+                if not common:
+                    continue
+                tail = common[-window:]
+                final = spc[common[-1]] - base[common[-1]]
+                tail_delta = (statistics.fmean(spc[s] for s in tail)
+                              - statistics.fmean(base[s] for s in tail))
+                best = max(spc[s] for s in common) - max(base[s] for s in common)
+                ahead = sum(spc[s] > base[s] for s in common)
+                behind = sum(spc[s] < base[s] for s in common)
+                rows.append([display_method(method), alpha_text(alpha), setting,
+                             str(common[-1]), f"{base[common[-1]]:.2f}",
+                             f"{spc[common[-1]]:.2f}", delta_text(final),
+                             delta_text(tail_delta), delta_text(best),
+                             f"{ahead} / {behind}", f"{n_base} / {n_spc}"])
+                csv_rows.append([display_method(method), alpha_text(alpha), setting,
+                                 common[-1], len(tail), _num(base[common[-1]]),
+                                 _num(spc[common[-1]]), _num(final), _num(tail_delta),
+                                 _num(best), ahead, behind, n_base, n_spc])
+    return Table(
+        columns=["Method", "α", "Setting", "Round", "Base", "+FedSPC", "Δ final",
+                 f"Δ last {window}", "Δ best", "Rounds ahead / behind", "Seeds"],
+        rows=rows, numeric=(False, False, False, *[True] * 8),
+        csv_columns=["method", "alpha", "setting", "round", "window", "base", "fedspc",
+                     "delta_final", "delta_window", "delta_best", "rounds_ahead",
+                     "rounds_behind", "base_n", "fedspc_n"],
+        csv_rows=csv_rows)
+
+
+def centralized_lines(records: Sequence[ResultRecord], *, metric: str = "final") -> list[str]:
+    """``Centralized (C-R34): 79.57%`` for every setting with a centralized cell."""
+    lines = []
+    for setting in settings_of(records, CENTRALIZED):
+        stat = cell_stat(records, method=CENTRALIZED, fedspc=False, alpha=None,
+                         setting=setting, metric=metric, kind=CENTRALIZED)
+        lines.append(f"Centralized ({setting}): " + (
+            MISSING if stat.mean is None else f"{stat.text()}%"))
+    return lines
+
+
+def centralized_table(records: Sequence[ResultRecord]) -> Table:
+    """The centralized references: final and best accuracy per setting."""
+    rows, csv_rows = [], []
+    for setting in settings_of(records, CENTRALIZED):
+        final, best = (cell_stat(records, method=CENTRALIZED, fedspc=False, alpha=None,
+                                 setting=setting, metric=m, kind=CENTRALIZED)
+                       for m in ("final", "best"))
+        rows.append([setting, final.text(), best.text()])
+        csv_rows.append([setting, _num(final.mean), _num(final.std), _num(best.mean),
+                         _num(best.std), final.n])
+    return Table(columns=["Setting", "Final (%)", "Best (%)"], rows=rows,
+                 numeric=(False, True, True),
+                 csv_columns=["setting", "final", "final_std", "best", "best_std", "n"],
+                 csv_rows=csv_rows)
+
+
+def runs_table(records: Sequence[ResultRecord]) -> Table:
+    """One row per cell: status, rounds, final and best accuracy, wall time."""
+    rows, csv_rows = [], []
+    for r in records:
+        final = MISSING if r.final_accuracy is None else f"{100 * r.final_accuracy:.2f}"
+        best = MISSING if r.best_accuracy is None else f"{100 * r.best_accuracy:.2f}"
+        wall = MISSING if r.wall_seconds is None else format_duration(r.wall_seconds)
+        rows.append([r.name, r.status, MISSING if r.rounds is None else str(r.rounds),
+                     final, best, MISSING if r.best_round is None else str(r.best_round),
+                     wall])
+        csv_rows.append([r.name, r.kind, r.status, "" if r.rounds is None else r.rounds,
+                         _num(None if r.final_accuracy is None else 100 * r.final_accuracy),
+                         _num(None if r.best_accuracy is None else 100 * r.best_accuracy),
+                         "" if r.best_round is None else r.best_round,
+                         _num(r.wall_seconds)])
+    return Table(columns=["Run", "Status", "Rounds", "Final (%)", "Best (%)", "Best round",
+                          "Wall time"], rows=rows,
+                 numeric=(False, False, True, True, True, True, True),
+                 csv_columns=["run", "kind", "status", "rounds", "final", "best",
+                              "best_round", "wall_seconds"],
+                 csv_rows=csv_rows)
+
+
+def to_markdown(table: Table) -> str:
+    """The table as GitHub Markdown, followed by its notes."""
+    lines = ["| " + " | ".join(table.columns) + " |",
+             "| " + " | ".join("---:" if n else "---" for n in table.numeric) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in table.rows]
+    if table.notes:
+        lines += ["", *table.notes]
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(table: Table) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(table.csv_columns)
+    writer.writerows(table.csv_rows)
+    return buffer.getvalue()
+
+
+# -------------------------------------------------------------------------- report
+def write_report(records: Sequence[ResultRecord], out_dir: str | Path, *,
+                 title: str = "") -> list[Path]:
+    """Write every table as ``<stem>.md`` and ``<stem>.csv`` (table1, best, table3
+    and pairs when some cell uses FedSPC, centralized when there are references,
+    runs), the figures and ``report.md`` holding all of them; return the files."""
+    out_dir = Path(out_dir)
+    written: list[Path] = []
+    tables: list[tuple[str, str, Table]] = [
+        ("table1", "Final-round personalized accuracy (%), Table 1 format", table1(records)),
+        ("best", "Best-round personalized accuracy (%)", table1(records, metric="best")),
+    ]
+    if any(r.kind == FEDERATED and r.fedspc for r in records):
+        tables.insert(1, ("table3", "Base vs +FedSPC, final round (%), Table 3 format; "
+                                    "Δ = +FedSPC − Base", table3(records)))
+        tables.insert(2, ("pairs", "Base vs +FedSPC over the run (seed means, %): Δ at "
+                                   "the final round, over the last 5 rounds and at the "
+                                   "best round; rounds where +FedSPC is ahead / behind",
+                          pairs_table(records)))
+    if any(r.kind == CENTRALIZED for r in records):
+        tables.append(("centralized", "Centralized reference (pooled data, %)",
+                       centralized_table(records)))
+    tables.append(("runs", "Runs", runs_table(records)))
+
+    figures: list[Path] = []
+    for setting in settings_of(records):
+        for alpha in alphas_of(r for r in records if r.setting == setting):
+            path = plot_curves(records, setting, alpha,
+                               out_dir / f"curves-{slug(setting)}-a{alpha:g}.png")
+            if path:
+                figures.append(path)
+    figures += plot_partition_panels(records, out_dir)
+    delta = plot_deltas(records, out_dir / "delta.png")
+    if delta:
+        figures.append(delta)
+
+    seeds = sorted({r.seed for r in records})
+    done = sum(r.complete for r in records)
+    parts = [f"# Results{': ' + title if title else ''}", "",
+             f"{done} of {len(records)} cells complete; seeds {', '.join(map(str, seeds))}. "
+             f"Values are mean ± sample std over seeds (the mean alone for one seed); "
+             f"{MISSING} = not finished.", ""]
+    for stem, heading, table in tables:
+        markdown, text = to_markdown(table), to_csv(table)
+        for suffix, content in (("md", markdown), ("csv", text)):
+            atomic_write(out_dir / f"{stem}.{suffix}", content)
+            written.append(out_dir / f"{stem}.{suffix}")
+        parts += [f"## {heading}", "", markdown]
+    if figures:
+        parts += ["## Figures", ""]
+        parts += [f"![{p.stem}]({p.name})" for p in figures] + [""]
+    atomic_write(out_dir / "report.md", "\n".join(parts))
+    return [*written, *figures, out_dir / "report.md"]

@@ -1,0 +1,317 @@
+"""Running a grid's cells one after another, resumably.
+
+Federated cells share one private SuperLink; a centralized reference runs as
+``python -m fedspc_app.experiments centralized`` in a child process. A cell whose
+``summary.json`` is complete is done and skipped; a failing cell is recorded in
+``failures.json`` (and rerun only when asked) while the others go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from fedspc_app.core.errors import FedSPCError
+from fedspc_app.core.files import atomic_write
+from fedspc_app.core.results import CONFIG_JSON, SUMMARY_JSON, format_duration
+from fedspc_app.experiments.grid import Cell, Grid, SimulationSettings
+from fedspc_app.experiments.layout import (
+    FAILURES_JSON,
+    GRID_JSON,
+    LOGS_DIR,
+    read_failures,
+    read_json,
+)
+from fedspc_app.launch.processes import run_logged
+from fedspc_app.launch.superlink import LocalSuperLink, SimulationFailed, run_simulation
+
+Echo = Callable[[str], None]
+CELL_ERRORS = (SimulationFailed, FedSPCError, TimeoutError)
+"""What a failing cell raises; anything else (e.g. Ctrl-C) stops the grid."""
+
+# Settings that may change without invalidating a finished run.
+_IRRELEVANT = {"data-dir", "output-dir", "download", "device"}
+
+
+# ------------------------------------------------------------------------ status
+def is_done(cell: Cell) -> bool:
+    summary = read_json(cell.run_dir / SUMMARY_JSON)
+    return isinstance(summary, dict) and summary.get("complete") is True
+
+
+def config_changes(cell: Cell) -> list[str]:
+    """Run-config keys whose value differs between the grid and the finished run."""
+    recorded = read_json(cell.run_dir / CONFIG_JSON)
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("run-config"), dict):
+        return []
+    old = recorded["run-config"]
+    return sorted(key for key, value in cell.run_config.items()
+                  if key not in _IRRELEVANT and key in old and old[key] != value)
+
+
+def cell_status(cell: Cell, failures: Mapping[str, Any]) -> str:
+    """``done``, ``failed`` (recorded in failures.json) or ``pending``."""
+    if is_done(cell):
+        return "done"
+    return "failed" if cell.name in failures else "pending"
+
+
+def describe(cell: Cell) -> str:
+    """The key settings of a cell, on one line."""
+    rc = cell.run_config
+    what = f"{rc['dataset']}/{rc['model']}"
+    if cell.kind == "centralized":
+        opts = cell.centralized
+        return (f"{what} centralized, {opts['epochs']} epochs, lr {opts['learning-rate']:g}"
+                f" ({opts['lr-schedule']}), batch {rc['batch-size']}, seed {rc['seed']}")
+    label = rc["method"] + ("+fedspc" if rc["fedspc"] else "")
+    return (f"{what} {label} alpha={float(rc['alpha'])!r} seed={rc['seed']} | "
+            f"{rc['num-rounds']} rounds, E={rc['local-epochs']}, "
+            f"lr {rc['learning-rate']:g}, batch {rc['batch-size']}")
+
+
+def log_path(grid: Grid, cell: Cell) -> Path:
+    return grid.directory / LOGS_DIR / f"{cell.name}.log"
+
+
+def write_grid_json(grid: Grid) -> Path:
+    path = grid.directory / GRID_JSON
+    atomic_write(path, json.dumps(grid.to_dict(), indent=2) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------- one cell
+class SharedSuperLink:
+    """One :class:`LocalSuperLink` for the federated cells of an invocation, started
+    on first use and restarted when it died or after a timed-out cell (whose run
+    would otherwise keep occupying the simulation)."""
+
+    def __init__(self, flwr_home: Path | None = None, log_file: Path | None = None) -> None:
+        self._stack = contextlib.ExitStack()
+        self._home = flwr_home
+        self._log_file = log_file
+        self._link: LocalSuperLink | None = None
+
+    def get(self) -> LocalSuperLink:
+        if self._link is not None and self._link.process is not None \
+                and self._link.process.poll() is None:
+            return self._link
+        self.stop()
+        if self._home is None:
+            self._home = Path(self._stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="fedspc-flwr-")))
+        self._link = LocalSuperLink(self._home, log_file=self._log_file).start()
+        return self._link
+
+    def stop(self) -> None:
+        if self._link is not None:
+            self._link.stop()
+            self._link = None
+
+    def close(self) -> None:
+        self.stop()
+        self._stack.close()
+
+
+def run_federated_cell(cell: Cell, log_file: Path, *, link: SharedSuperLink,
+                       simulation: SimulationSettings, echo: bool = False) -> dict[str, Any]:
+    try:
+        return run_simulation(cell.run_config, superlink=link.get(),
+                              clients=simulation.clients, client_cpus=simulation.client_cpus,
+                              client_gpus=simulation.client_gpus, log_file=log_file,
+                              timeout=simulation.timeout, echo=echo)
+    except TimeoutError:
+        link.stop()
+        raise
+
+
+def centralized_command(cell: Cell, config_path: str) -> list[str]:
+    """The command line that trains a centralized cell from its run-config file."""
+    options = cell.centralized
+    return [sys.executable, "-m", "fedspc_app.experiments", "centralized",
+            "--run-config", config_path, "--epochs", str(options["epochs"]),
+            "--learning-rate", repr(float(options["learning-rate"])),
+            "--eval-every", str(options["eval-every"]),
+            "--lr-schedule", str(options["lr-schedule"])]
+
+
+def run_centralized_cell(cell: Cell, log_file: Path, *, timeout: float | None = None,
+                         echo: bool = False) -> dict[str, Any]:
+    """Train one centralized reference in a child process (output to ``log_file``,
+    killed after ``timeout`` seconds); return its summary."""
+    with tempfile.NamedTemporaryFile("wb", suffix=".toml", delete=False) as handle:
+        handle.write(tomli_w.dumps(cell.run_config).encode())
+        config_path = handle.name
+    started = time.time()
+    try:
+        code = run_logged(centralized_command(cell, config_path),
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, log_file=log_file,
+                          timeout=timeout, echo=echo, what=f"centralized run {cell.name!r}")
+    finally:
+        os.unlink(config_path)
+    summary_path = cell.run_dir / SUMMARY_JSON
+    summary = read_json(summary_path)
+    if code != 0 or not isinstance(summary, dict) or not summary.get("complete") \
+            or summary_path.stat().st_mtime < started:
+        raise SimulationFailed(f"centralized run {cell.name!r} did not complete "
+                               f"(exit code {code}); see {log_file}")
+    return summary
+
+
+class CellRunner:
+    """Runs one cell of any kind; federated cells share one SuperLink."""
+
+    def __init__(self, simulation: SimulationSettings, *, flwr_home: Path | None = None,
+                 superlink_log: Path | None = None, echo: bool = False) -> None:
+        self.simulation = simulation
+        self.echo = echo
+        self.link = SharedSuperLink(flwr_home, superlink_log)
+
+    def __call__(self, cell: Cell, log_file: Path) -> dict[str, Any]:
+        if cell.kind == "centralized":
+            return run_centralized_cell(cell, log_file, timeout=self.simulation.timeout,
+                                        echo=self.echo)
+        return run_federated_cell(cell, log_file, link=self.link,
+                                  simulation=self.simulation, echo=self.echo)
+
+    def close(self) -> None:
+        self.link.close()
+
+    def __enter__(self) -> "CellRunner":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------- a grid
+@dataclass
+class GridOutcome:
+    """Cell names by result; ``failed`` maps run-name → log file, for cells that
+    failed now or earlier (not retried)."""
+
+    ran: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _write_failures(grid: Grid, failures: Mapping[str, Any]) -> None:
+    atomic_write(grid.directory / FAILURES_JSON, json.dumps(failures, indent=2))
+
+
+def _todo(grid: Grid, cells: Sequence[Cell], failures: Mapping[str, Any], outcome: GridOutcome,
+          retry_failed: bool, echo: Echo) -> list[Cell]:
+    """The cells to run; the others go to ``outcome``."""
+    todo: list[Cell] = []
+    for cell in cells:
+        status = cell_status(cell, failures)
+        if status == "done":
+            outcome.skipped.append(cell.name)
+            changed = config_changes(cell)
+            if changed:
+                echo(f"note: {cell.name} finished with different {', '.join(changed)}; "
+                     "delete its folder to rerun it")
+        elif status == "failed" and not retry_failed:
+            outcome.failed[cell.name] = str(log_path(grid, cell))
+        else:
+            todo.append(cell)
+    return todo
+
+
+def run_grid(grid: Grid, cells: Sequence[Cell], *,
+             runner: Callable[[Cell, Path], Mapping[str, Any]],
+             retry_failed: bool = False, echo: Echo = print,
+             clock: Callable[[], float] = time.monotonic) -> GridOutcome:
+    """Run the pending ``cells`` of ``grid`` with ``runner(cell, log_file) -> summary``.
+
+    Writes ``grid.json``; skips finished cells and, unless ``retry_failed``, those
+    in ``failures.json``; records a cell raising one of :data:`CELL_ERRORS` there
+    and goes on. Progress (cells done, elapsed time, ETA from the mean time of the
+    cells run so far) goes to ``echo``.
+    """
+    write_grid_json(grid)
+    failures = read_failures(grid.directory)
+    outcome = GridOutcome()
+    todo = _todo(grid, cells, failures, outcome, retry_failed, echo)
+    total = len(cells)
+    done = len(outcome.skipped)
+    echo(f"Grid {grid.name}: {total} cells in {grid.directory}; {done} done, "
+         f"{len(todo)} to run" + (f", {len(outcome.failed)} failed before (not retried; "
+                                  "--retry-failed reruns them)" if outcome.failed else ""))
+    started = clock()
+    durations: list[float] = []
+    for index, cell in enumerate(todo, start=1):
+        log_file = log_path(grid, cell)
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_file, "a", encoding="utf-8") as handle:
+            handle.write(f"\n=== {cell.name} | {_now()} | {describe(cell)}\n")
+        echo(f"[{done + 1}/{total}] {cell.name}: {describe(cell)}")
+        cell_started = clock()
+        try:
+            summary = runner(cell, log_file)
+        except CELL_ERRORS as error:
+            seconds = clock() - cell_started
+            failures[cell.name] = {"error": str(error), "log": str(log_file), "at": _now()}
+            _write_failures(grid, failures)
+            outcome.failed[cell.name] = str(log_file)
+            result = f"FAILED after {format_duration(seconds)}: {error}"
+        else:
+            seconds = clock() - cell_started
+            durations.append(seconds)
+            if failures.pop(cell.name, None) is not None:
+                _write_failures(grid, failures)
+            outcome.ran.append(cell.name)
+            final = summary.get("final-accuracy")
+            result = f"done in {format_duration(seconds)}" + (
+                f", final accuracy {100 * final:.2f}%" if isinstance(final, (int, float))
+                else "")
+        done += 1
+        elapsed = clock() - started
+        # Failed cells often stop early, so successful ones predict the rest better.
+        mean = (sum(durations) / len(durations)) if durations else elapsed / index
+        eta = format_duration(mean * (len(todo) - index))
+        echo(f"[{done}/{total}] {cell.name} {result} | elapsed {format_duration(elapsed)}"
+             f" | ETA {eta}")
+    if outcome.failed:
+        echo(f"{len(outcome.failed)} cell(s) failed:")
+        for name, log in outcome.failed.items():
+            echo(f"  {name}: {failures.get(name, {}).get('error', '')} (log: {log})")
+    else:
+        echo(f"Grid {grid.name}: all {total} selected cells done.")
+    return outcome
+
+
+def print_plan(grid: Grid, cells: Sequence[Cell], echo: Echo = print) -> None:
+    """Each cell with its status and key settings (``--dry-run``)."""
+    failures = read_failures(grid.directory)
+    statuses = [cell_status(cell, failures) for cell in cells]
+    counts = {s: statuses.count(s) for s in ("done", "failed", "pending")}
+    sim = grid.simulation
+    echo(f"Grid {grid.name}: {len(cells)} of {len(grid.cells)} cells selected in "
+         f"{grid.directory}; {counts['done']} done, {counts['failed']} failed, "
+         f"{counts['pending']} pending")
+    echo(f"Simulation: {sim.clients} clients, {sim.client_cpus:g} CPU and "
+         f"{sim.client_gpus:g} GPU each" + (f", timeout {format_duration(sim.timeout)}"
+                                            if sim.timeout else ""))
+    width = max(len(cell.name) for cell in cells) if cells else 0
+    for cell, status in zip(cells, statuses):
+        echo(f"  {status:<7} {cell.name:<{width}}  {describe(cell)}")

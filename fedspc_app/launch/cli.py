@@ -1,0 +1,64 @@
+"""What the command-line launchers share: the run-config arguments, the checks made
+before anything starts, and errors reported as one ``fedspc: ...`` line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from fedspc_app.core.errors import FedSPCError
+from fedspc_app.launch.processes import LaunchFailed, exit_on_termination
+from fedspc_app.launch.runconfig import (
+    check_resources,
+    load_overrides,
+    resolve_run_config,
+)
+from fedspc_app.launch.superlink import SimulationFailed, run_simulation, simulation
+
+BAD_INPUT = 2  # as argparse exits on a bad argument
+FAILED = 1
+RUN_ERRORS = (FedSPCError, SimulationFailed, LaunchFailed, TimeoutError, OSError)
+"""What a started run can fail with, short of a bug."""
+
+
+def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run-config", help="TOML preset of run-config overrides (conf/*.toml)")
+    parser.add_argument("--set", default="", help='overrides applied after the preset, e.g. '
+                        '"num-rounds=3 fedspc=true"')
+
+
+def add_resource_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--clients", type=int, default=10, help="simulated SuperNodes (K)")
+    parser.add_argument("--client-cpus", type=float, default=1.0)
+    parser.add_argument("--client-gpus", type=float, default=0.0,
+                        help="GPU fraction per client, e.g. 0.25 runs 4 clients per GPU")
+
+
+def simulation_overrides(args: argparse.Namespace, **fixed: Any) -> dict[str, Any]:
+    """``--run-config``, then ``--set``, then ``fixed``, checked; else a FedSPCError."""
+    overrides = {**load_overrides(args.run_config, args.set), **fixed}
+    check_resources(args.clients, args.client_cpus, args.client_gpus)
+    resolve_run_config(overrides)
+    return overrides
+
+
+def fail(error: BaseException, code: int) -> int:
+    print(f"fedspc: {error}", file=sys.stderr)
+    return code
+
+
+def simulate_once(run_config: dict[str, Any], args: argparse.Namespace, *,
+                  flwr_home: Path | None = None, log_file: Path | None = None,
+                  echo: bool = False) -> int:
+    """Run ``run_config`` on a private SuperLink with the resources in ``args``; 0, or
+    :data:`FAILED` after reporting why."""
+    try:
+        with exit_on_termination(), simulation(flwr_home) as superlink:
+            run_simulation(run_config, superlink=superlink, clients=args.clients,
+                           client_cpus=args.client_cpus, client_gpus=args.client_gpus,
+                           log_file=log_file, echo=echo)
+    except RUN_ERRORS as error:
+        return fail(error, FAILED)
+    return 0

@@ -1,0 +1,63 @@
+"""Run-configs as users give them on command lines (fedspc_app.launch.runconfig)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedspc_app.core.errors import ConfigError
+from fedspc_app.launch.runconfig import (
+    check_resources,
+    load_overrides,
+    parse_assignments,
+)
+
+
+def test_assignments_are_toml_scalars():
+    text = "num-rounds=3 fedspc=true learning-rate=1e-3 method='fedrep' run-name=\"a b\" data-dir=''"
+    assert parse_assignments(text) == {
+        "num-rounds": 3, "fedspc": True, "learning-rate": 0.001, "method": "fedrep",
+        "run-name": "a b", "data-dir": "",
+    }
+    assert parse_assignments("   ") == {}
+
+
+@pytest.mark.parametrize("text", [
+    "num-rounds",             # no value: flwr's own parser drops it silently
+    "num-rounds=3 fedspc",    # one good pair, one word
+    "num-rounds=",            # empty value
+    "method='fedrep",         # unterminated quote
+    "method=fedrep",          # a bare word is not a TOML value
+    "alpha=[0.1, 1.0]",       # not a scalar
+])
+def test_a_bad_assignment_is_one_config_error_naming_it(text):
+    with pytest.raises(ConfigError, match="key=value|value must be"):
+        parse_assignments(text)
+
+
+def test_preset_then_assignments(tmp_path):
+    preset = tmp_path / "preset.toml"
+    preset.write_text('method = "fedper"\nnum-rounds = 100\nalpha = 0.1\n')
+    assert load_overrides(preset, "num-rounds=2 fedspc=true") == {
+        "method": "fedper", "num-rounds": 2, "alpha": 0.1, "fedspc": True}
+    assert load_overrides(None, "seed=4") == {"seed": 4}
+
+
+def test_a_missing_or_malformed_preset_is_one_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_overrides(tmp_path / "missing.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("method = \n")
+    with pytest.raises(ConfigError, match="cannot read run-config file"):
+        load_overrides(broken)
+
+
+@pytest.mark.parametrize("clients,cpus,gpus,problem", [
+    (0, 1.0, 0.0, "clients must be >= 1"),
+    (10, 0.0, 0.0, "client-cpus must be > 0"),
+    (10, float("nan"), 0.0, "client-cpus must be > 0"),
+    (10, 1.0, -0.25, "client-gpus must be >= 0"),
+])
+def test_simulation_resources_are_range_checked(clients, cpus, gpus, problem):
+    with pytest.raises(ConfigError, match=problem):
+        check_resources(clients, cpus, gpus)
+    check_resources(1, 0.5, 0.25)  # fractional resources are fine
