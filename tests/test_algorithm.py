@@ -286,18 +286,90 @@ def test_fedrep_counts_only_body_steps_for_the_reference():
         -(w - 0.5) / (2 * ETA), abs=1e-5)
 
 
-def test_ditto_corrects_the_global_model_only():
-    """Ditto + FedSPC: the global model gets the correction, v_k only its proximal pull."""
-    cfg = config(method="ditto", fedspc=True, ditto_lambda=1.0, ditto_personal_epochs=1,
-                 local_epochs=1)
-    received = {"body.weight": [[0.5]], "head.weight": [[1.0]]}
+DITTO_RECEIVED = {"body.weight": [[0.5]], "head.weight": [[1.0]]}
+
+
+def ditto_round(ditto_lambda: float, state: ClientState | None = None, fedspc: bool = True):
+    """Client 0 (x=1, y=2): one global epoch, two personal epochs (two steps on v_k)."""
+    cfg = config(method="ditto", fedspc=fedspc, ditto_lambda=ditto_lambda,
+                 ditto_personal_epochs=2, local_epochs=1)
     u_bar = {"body.weight": np.array([[1.0]]), "head.weight": np.array([[0.0]])}
-    out = client_round("ditto", cfg, received, ClientState(), 0, u_bar)
-    x, y = CLIENTS[0]
-    # Global model, one step with correction (1, 0): r = -1.5
-    assert scalar(out.shared, "body.weight") == pytest.approx(0.5 - ETA * (-1.5 + 1.0))
-    assert scalar(out.shared, "head.weight") == pytest.approx(1.0 - ETA * (-0.75))
-    # Personal model v starts at the received model; step with lambda (v - theta^t) = 0.
-    assert scalar(out.state.personal_model, "body.weight") == pytest.approx(0.5 + 0.15)
-    assert scalar(out.state.personal_model, "head.weight") == pytest.approx(1.0 + 0.075)
+    return client_round("ditto", cfg, DITTO_RECEIVED, state or ClientState(), 0,
+                        u_bar if fedspc else None)
+
+
+@pytest.mark.parametrize(
+    ("ditto_lambda", "v_w", "v_h"),
+    [(0.0, 0.789884375, 1.15958125),
+     (1.0, 0.774884375, 1.15208125),
+     (2.0, 0.759884375, 1.14458125)],
+)
+def test_ditto_corrects_the_global_model_only(ditto_lambda, v_w, v_h):
+    """Ditto + FedSPC: the global model gets the correction, v_k only its proximal pull.
+
+    Global model (theta^t: w=0.5, h=1), one step with correction (u_bar - u_k) = (1, 0):
+      r = 0.5 - 2 = -1.5, gw = -1.5 + 1 = -0.5, gh = -0.75
+      -> w = 0.5 + 0.05 = 0.55, h = 1 + 0.075 = 1.075
+    Personal model v (starts at theta^t: w=0.5, h=1), gradient of
+    L + (lam/2) ||v - theta^t||^2, no correction, two steps:
+      step 1: r = -1.5, gw = -1.5 + lam * 0 = -1.5, gh = -0.75 + lam * 0 = -0.75
+              -> w = 0.65, h = 1.075 (the pull is zero: v = theta^t)
+      step 2: r = 1.075 * 0.65 - 2 = -1.30125
+              gw = r h = -1.39884375 + lam * 0.15
+              gh = r w = -0.8458125  + lam * 0.075
+              -> w = 0.65 + 0.139884375 - 0.015 lam = 0.789884375 - 0.015 lam
+                 h = 1.075 + 0.08458125 - 0.0075 lam = 1.15958125 - 0.0075 lam
+      lam = 0: (0.789884375, 1.15958125); lam = 1: (0.774884375, 1.15208125);
+      lam = 2: (0.759884375, 1.14458125).
+    """
+    out = ditto_round(ditto_lambda)
+    assert scalar(out.shared, "body.weight") == pytest.approx(0.55, abs=1e-9)
+    assert scalar(out.shared, "head.weight") == pytest.approx(1.075, abs=1e-9)
+    assert out.shared_steps == 1  # only the global model's step counts for u_k
+    assert scalar(out.state.personal_model, "body.weight") == pytest.approx(v_w, abs=1e-9)
+    assert scalar(out.state.personal_model, "head.weight") == pytest.approx(v_h, abs=1e-9)
     assert out.state.personal is None
+    # u_k^1 = 0 - u_bar - Delta w / (E eta) = -1 - 0.05 / 0.1 = -1.5 (body);
+    #         0 - 0 - 0.075 / 0.1 = -0.75 (head)
+    assert scalar(out.state.local_reference, "body.weight") == pytest.approx(-1.5, abs=1e-6)
+    assert scalar(out.state.local_reference, "head.weight") == pytest.approx(-0.75, abs=1e-6)
+
+
+def test_ditto_lambda_moves_only_the_personal_model():
+    weak, strong = ditto_round(0.0), ditto_round(2.0)
+    # The global model and the reference do not depend on lambda ...
+    for key in ("body.weight", "head.weight"):
+        assert scalar(weak.shared, key) == scalar(strong.shared, key)
+        assert scalar(weak.state.local_reference, key) == scalar(
+            strong.state.local_reference, key)
+    # ... the personal model does: a stronger pull keeps v closer to theta^t.
+    for key, start in (("body.weight", 0.5), ("head.weight", 1.0)):
+        gap_weak = abs(scalar(weak.state.personal_model, key) - start)
+        gap_strong = abs(scalar(strong.state.personal_model, key) - start)
+        assert gap_strong < gap_weak - 0.005
+
+
+def test_ditto_pulls_a_kept_personal_model_towards_the_received_one():
+    """Round 2: v_k starts from the client's own v (w=0.8, h=1.2), not from theta^t.
+
+    lam = 1, anchor theta^t = (0.5, 1.0), client 0 (x=1, y=2), two steps:
+      step 1: r = 0.8 * 1.2 - 2 = -1.04
+              gw = r h + (0.8 - 0.5) = -1.248 + 0.3 = -0.948
+              gh = r w + (1.2 - 1.0) = -0.832 + 0.2 = -0.632
+              -> w = 0.8948, h = 1.2632
+      step 2: r = 0.8948 * 1.2632 - 2 = -0.86968864
+              gw = r h + 0.3948 = -1.098590690048 + 0.3948 = -0.703790690048
+              gh = r w + 0.2632 = -0.778197395072 + 0.2632 = -0.514997395072
+              -> w = 0.9651790690048, h = 1.3146997395072
+    """
+    state = ClientState(personal_model={"body.weight": np.array([[0.8]]),
+                                        "head.weight": np.array([[1.2]])})
+    out = ditto_round(1.0, state=state, fedspc=False)
+    assert scalar(out.state.personal_model, "body.weight") == pytest.approx(0.9651790690048,
+                                                                            abs=1e-9)
+    assert scalar(out.state.personal_model, "head.weight") == pytest.approx(1.3146997395072,
+                                                                            abs=1e-9)
+    # The global model starts from theta^t, not from v: w = 0.65, h = 1.075 (no correction).
+    assert scalar(out.shared, "body.weight") == pytest.approx(0.65, abs=1e-9)
+    assert scalar(out.shared, "head.weight") == pytest.approx(1.075, abs=1e-9)
+    assert out.state.local_reference is None

@@ -209,9 +209,32 @@ def test_choice_accepts_every_valid_value(key, value):
     assert getattr(config, key.replace("-", "_")) == value
 
 
-def test_methods_registry_is_what_validation_accepts():
+@pytest.mark.parametrize("method", list(METHODS))
+def test_methods_registry_is_what_validation_accepts(method):
+    # Every registered method is accepted on its own ...
+    config = parse_run_config({"method": method})
+    assert (config.method, config.fedspc, config.label) == (method, False, method)
+    # ... and with FedSPC unless it already corrects everything (SCAFFOLD).
+    if METHODS[method].control_variates:
+        with pytest.raises(ConfigError, match="set fedspc = false"):
+            parse_run_config({"method": method, "fedspc": True})
+    else:
+        config = parse_run_config({"method": method, "fedspc": True})
+        assert (config.method, config.fedspc, config.label) == (method, True,
+                                                                f"{method}+fedspc")
+
+
+def test_the_papers_methods_are_registered_and_nothing_else_validates():
+    # The eight methods the README and the paper compare.
     assert {"fedavg", "fedprox", "scaffold", "fedper", "fedrep", "fedbabu",
             "lgfedavg", "ditto"} <= set(METHODS)
+    assert [name for name, spec in METHODS.items() if spec.control_variates] == ["scaffold"]
+    for name in ("fedspc", "FedAvg", "fedavg+fedspc", "pfedme", ""):
+        assert name not in METHODS
+        with pytest.raises(ConfigError, match="'method'"):
+            parse_run_config({"method": name})
+        with pytest.raises(ConfigError, match="'method'"):
+            parse_run_config({"method": name, "fedspc": True})
 
 
 # ------------------------------------------------------------------- ranges
@@ -317,6 +340,44 @@ def test_run_dir_is_absolute(tmp_path, monkeypatch):
     # Assert
     assert config.run_dir.is_absolute()
     assert config.run_dir == (tmp_path / "out" / "r1").resolve()
+
+
+# ----------------------------------------------------------------- data dir
+def test_empty_data_dir_follows_fedspc_cache_dir(tmp_path, monkeypatch):
+    # Prepare
+    from fedspc_app.core import datasets
+
+    monkeypatch.setenv("FEDSPC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+
+    # Execute
+    resolved = parse_run_config({"data-dir": ""}).resolved_data_dir
+
+    # Assert: $FEDSPC_CACHE_DIR/data, the same folder the dataset loader uses
+    assert resolved == (tmp_path / "cache" / "data").resolve()
+    assert resolved == datasets.default_data_dir().resolve()
+
+
+def test_empty_data_dir_without_cache_env_is_under_home(tmp_path, monkeypatch):
+    # Prepare
+    from fedspc_app.core import datasets
+
+    monkeypatch.delenv("FEDSPC_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+
+    # Execute
+    resolved = RunConfig(data_dir="").resolved_data_dir
+
+    # Assert
+    assert resolved == (tmp_path / "home" / ".cache" / "fedspc" / "data").resolve()
+    assert resolved == datasets.default_data_dir().resolve()
+
+
+def test_explicit_data_dir_wins_over_the_cache_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDSPC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert parse_run_config({"data-dir": "mine"}).resolved_data_dir == (tmp_path / "mine")
+    assert RunConfig(data_dir="~/d").resolved_data_dir == Path("~/d").expanduser().resolve()
 
 
 def test_to_dict_round_trips(tmp_path):

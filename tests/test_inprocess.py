@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import tempfile
 from pathlib import Path
 
@@ -90,12 +91,48 @@ def test_messages_carry_only_the_shared_block(method, fedspc):
         assert set(message.content.array_records) == {"arrays"}  # derived upload
     # The results: two evaluated rounds and a complete summary.
     assert [r["round"] for r in metrics["rounds"]] == [1, 2]
-    for row in metrics["rounds"]:
-        assert 0.0 <= row["accuracy"] <= 1.0
-        assert row["clients"] == NUM_CLIENTS
-        assert len(row["client-accuracy"]) == NUM_CLIENTS
-        assert row["accuracy"] == pytest.approx(np.mean(list(row["client-accuracy"].values())))
     assert metrics["summary"]["complete"] is True
+    assert_metrics_are_what_the_clients_reported(grid, metrics)
+    # The run learns: on digits (chance 10%) every case is at 40% or more after one
+    # round and 44% or more after two today, and the test loss falls by 0.14 or more
+    # from round 1 to round 2 (measured on every case; the bounds leave a margin).
+    first, last = metrics["rounds"]
+    assert first["accuracy"] > 0.25 and last["accuracy"] > 0.3
+    assert last["loss"] < first["loss"] - 0.05
+    assert last["loss"] < math.log(10)  # better than a uniform guess
+
+
+def evaluation_replies(grid: InProcessGrid) -> dict[int, dict[int, tuple[int, int, float]]]:
+    """round -> partition id -> (correct, examples, loss sum), as the clients replied."""
+    out: dict[int, dict[int, tuple[int, int, float]]] = {}
+    for message, reply in zip(grid.sent, grid.replies, strict=True):
+        if message.metadata.message_type != MessageType.EVALUATE:
+            continue
+        assert reply.metadata.reply_to_message_id == message.metadata.message_id
+        server_round = int(message.content.config_records["config"]["server-round"])
+        metrics = reply.content.metric_records["metrics"]
+        out.setdefault(server_round, {})[int(metrics["partition-id"])] = (
+            int(metrics["correct"]), int(metrics["num-examples"]), float(metrics["loss-sum"]))
+    return out
+
+
+def assert_metrics_are_what_the_clients_reported(grid: InProcessGrid, metrics: dict) -> None:
+    """Each round's row in metrics.json: per-client accuracy, their mean, the weighted
+    accuracy and the loss all follow from the evaluate replies that crossed the wire."""
+    replies = evaluation_replies(grid)
+    assert sorted(replies) == [r["round"] for r in metrics["rounds"]]
+    for row in metrics["rounds"]:
+        reported = replies[row["round"]]
+        assert sorted(reported) == list(range(NUM_CLIENTS))
+        assert row["clients"] == NUM_CLIENTS
+        per_client = {str(pid): correct / n for pid, (correct, n, _) in reported.items()}
+        assert row["client-accuracy"] == pytest.approx(per_client)
+        assert row["accuracy"] == pytest.approx(np.mean(list(per_client.values())))
+        examples = sum(n for _, n, _ in reported.values())
+        assert row["weighted-accuracy"] == pytest.approx(
+            sum(c for c, _, _ in reported.values()) / examples)
+        assert row["loss"] == pytest.approx(sum(loss for *_, loss in reported.values())
+                                            / examples)
 
 
 @pytest.mark.parametrize(("method", "fedspc"), CASES)
@@ -135,14 +172,16 @@ def assert_same_arrays(a: dict, b: dict) -> None:
     """Equal up to the CPU kernels' own rounding noise.
 
     Two identical runs of the same method in one process already differ by about
-    1e-8 (oneDNN/MKL pick kernels by memory alignment), so exact equality cannot
-    be asked of two runs; a real difference in the algorithm (a missing or wrong
-    correction) moves parameters by orders of magnitude more (see
-    ``max_difference`` checks below).
+    1e-9 after one round (oneDNN/MKL pick kernels by memory alignment), and a
+    second round of training amplifies that to up to 5.6e-6 (measured: scaffold
+    against fedavg + fedspc, ditto derived against explicit; with atol = 1e-6
+    those tests failed about one run in two). A real difference in the algorithm
+    (a missing or wrong correction) moves the final parameters by 6e-4 to 4e-3
+    (the ``max_difference`` checks below), ten times this tolerance or more.
     """
     assert a.keys() == b.keys()
     for key in a:
-        np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=5e-5, err_msg=key)
 
 
 def max_difference(a: dict, b: dict) -> float:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from fedspc_app.core import models as models_module
+from fedspc_app.core.config import MODELS, parse_run_config
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.models import MODEL_NAMES, build_model, split_body_head
 
@@ -39,8 +42,36 @@ def models() -> dict[str, nn.Module]:
     return {name: _build(name, seed=0) for name in MODEL_NAMES}
 
 
-def test_model_names() -> None:
-    assert MODEL_NAMES == ("cnn", "resnet34", "vgg11", "vit")
+def test_registry_covers_exactly_the_names_validation_accepts() -> None:
+    # Every registered builder is a model name the run-config accepts, and every
+    # accepted name has a builder: a name added on one side only fails here.
+    for name in models_module._BUILDERS:
+        assert parse_run_config({"model": name}).model == name
+    assert set(models_module._BUILDERS) == set(MODELS)
+    assert MODEL_NAMES == MODELS  # the one list the docs and tests iterate over
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_every_accepted_model_name_builds_a_classifier(
+    models: dict[str, nn.Module], name: str
+) -> None:
+    # The run-config accepts the name ...
+    assert parse_run_config({"model": name}).model == name
+    # ... and build_model gives a model with NUM_CLASSES logits and a final classifier.
+    model = models[name]
+    out = _logits(model, torch.randn(3, 3, 32, 32))
+    assert out.shape == (3, NUM_CLASSES)
+    head = model.get_classifier()
+    assert isinstance(head, nn.Linear) and head.out_features == NUM_CLASSES
+    assert any(module is head for module in model.modules())
+
+
+@pytest.mark.parametrize("name", ["resnet50", "CNN", "", "vit_small"])
+def test_unknown_model_name_is_rejected_by_validation_and_by_build_model(name: str) -> None:
+    with pytest.raises(ConfigError, match="'model'"):
+        parse_run_config({"model": name})
+    with pytest.raises(ConfigError, match=re.escape(f"unknown model {name!r}")):
+        build_model(name, num_classes=NUM_CLASSES)
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)

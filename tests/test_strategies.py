@@ -22,7 +22,6 @@ from flwr.app import (
 )
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedspc_app.core.correction import reference_change, shared_update
 from strategies import FedSPC, NoValidReplies, PersonalizedFedAvg, mean_arrays
 
 W = "body.weight"
@@ -469,10 +468,9 @@ def test_two_rounds_partial_participation_by_hand():
     change_a = -u_bar0 - (final_a - theta1) / (steps_a * eta)  # [1.5, -2.5]
     change_b = -u_bar0 - (final_b - theta1) / (steps_b * eta)  # [-1.0, 0.5]
     u_bar1 = u_bar0 + (change_a + change_b) / K  # [1/6, -2/3]
-    np.testing.assert_allclose(u_bar1, [1 / 6, -2 / 3], rtol=1e-12)
     assert set(server.global_reference) == {WK}
     assert server.global_reference[WK].dtype == np.float32
-    np.testing.assert_allclose(server.global_reference[WK], u_bar1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(server.global_reference[WK], [1 / 6, -2 / 3], rtol=1e-5)
     assert metrics1["global-reference-norm"] == pytest.approx(np.linalg.norm(u_bar1),
                                                               rel=1e-5)
     assert metrics1["clients"] == 2
@@ -500,8 +498,9 @@ def test_two_rounds_partial_participation_by_hand():
     change_a2 = -u_bar1 - (final_a2 - theta2) / (steps_a2 * eta)  # -u_bar1 - [-1.5, 0.5]
     u_bar2 = u_bar1 + (change_c + change_a2) / K
     # = u_bar1/3 + [1.25, 0]/3 = [1/18 + 5/12, -2/9]
-    np.testing.assert_allclose(u_bar2, [1 / 18 + 5 / 12, -2 / 9], rtol=1e-12)
     np.testing.assert_allclose(server.global_reference[WK], u_bar2, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(server.global_reference[WK], [1 / 18 + 5 / 12, -2 / 9],
+                               rtol=1e-5)
 
 
 def test_k_counts_the_connected_nodes_not_the_replies():
@@ -517,42 +516,114 @@ def test_k_counts_the_connected_nodes_not_the_replies():
     np.testing.assert_allclose(server.global_reference[WK], [-0.5, 1.0], rtol=1e-5)
 
 
-def _play_two_rounds(upload: str, with_change: bool) -> list[np.ndarray]:
-    """Run two rounds; return u_bar after each (explicit replies carry the change)."""
+K_NODES = (1, 2, 3)
+START = [0.3, -0.7]
+# Per round: (final w, final buffer, shared steps E_k, node) of each reply.
+PLANS = [
+    [([0.1, -0.4], 7, 3, 1), ([0.9, -1.1], 9, 5, 2), ([0.35, -0.65], 6, 1, 3)],
+    [([0.2, 0.3], 11, 2, 2), ([0.6, -0.9], 13, 7, 3)],
+]
+
+
+def _algorithm_1(received: np.ndarray, u_bar: np.ndarray, final, steps: int) -> np.ndarray:
+    """Client k's reference change, step 3 of Algorithm 1, in float64:
+    Delta u_k = -u_bar - Delta theta_k / (E eta) with Delta theta_k = final - received."""
+    delta = np.asarray(final, dtype=np.float64) - received
+    return -u_bar - delta / (steps * ETA)
+
+
+def _expected_two_rounds() -> list[dict]:
+    """Algorithm 1 on the plans in plain numpy (float64), round by round.
+
+    Client k: u_k <- u_k + Delta u_k. Server (step 4): theta <- mean of the finals
+    (unweighted), u_bar <- u_bar + (1/K) sum_{k in S_t} Delta u_k, K = 3 connected.
+    Round 1 by hand: Delta theta = [-0.2, 0.3], [0.6, -0.4], [0.05, 0.05] with E = 3,
+    5, 1 -> Delta u = [2/3, -1], [-1.2, 0.8], [-0.5, -0.5]; u_bar^1 = [-31/90, -7/30].
+    """
+    theta = np.array(START, dtype=np.float64)
+    u_bar = np.zeros(2)
+    u = {node: np.zeros(2) for node in K_NODES}
+    rounds = []
+    for plan in PLANS:
+        changes = {node: _algorithm_1(theta, u_bar, final, steps)
+                   for final, _, steps, node in plan}
+        for node, change in changes.items():
+            u[node] = u[node] + change
+        u_bar = u_bar + sum(changes.values()) / len(K_NODES)
+        theta = np.mean([np.asarray(final, dtype=np.float64) for final, *_ in plan], axis=0)
+        rounds.append({"changes": changes, "u_bar": u_bar, "theta": theta,
+                       "u": {node: value.copy() for node, value in u.items()}})
+    return rounds
+
+
+def _play_two_rounds(upload: str, changes: list[dict] | None = None) -> list[dict]:
+    """Run the plans through FedSPC; explicit replies carry ``changes[round][node]``.
+
+    Returns, per round, the broadcast the clients received, the u_bar they received,
+    the aggregated arrays and the server's u_bar afterwards.
+    """
     server = fedspc(upload)
-    grid = FakeGrid([1, 2, 3])
+    grid = FakeGrid(K_NODES)
     # (a 1-element buffer, so this test is only about the reference change)
-    arrays = record({WK: f32(0.3, -0.7), BN: np.array([5], dtype=np.int64)})
-    plans = [
-        [([0.1, -0.4], 7, 3, 1), ([0.9, -1.1], 9, 5, 2), ([0.35, -0.65], 6, 1, 3)],
-        [([0.2, 0.3], 11, 2, 2), ([0.6, -0.9], 13, 7, 3)],
-    ]
+    arrays = record({WK: f32(*START), BN: np.array([5], dtype=np.int64)})
     history = []
-    for server_round, plan in enumerate(plans, start=1):
+    for server_round, plan in enumerate(PLANS, start=1):
         messages = list(server.configure_train(server_round, arrays, ConfigRecord(), grid))
         received = arrays_of(messages[0].content.array_records["arrays"])
-        u_bar = arrays_of(messages[0].content.array_records["global-reference"])
+        sent_u_bar = arrays_of(messages[0].content.array_records["global-reference"])
         replies = []
         for final, bn, steps, node in plan:
-            final = {WK: np.asarray(final, dtype=np.float32)}
             change = None
-            if with_change:  # what the client computes and uploads
-                change = reference_change(shared_update(final, received, [WK]), u_bar,
-                                          steps=steps, learning_rate=ETA)
-            replies.append(spc_reply(final[WK], [bn], steps, node, change=change))
+            if changes is not None:  # what the client computed and uploads
+                change = {WK: changes[server_round - 1][node].astype(np.float32)}
+            replies.append(spc_reply(final, [bn], steps, node, change=change))
         arrays, _ = server.aggregate_train(server_round, replies)
-        history.append(server.global_reference[WK].copy())
+        history.append({"received": received[WK], "sent-u-bar": sent_u_bar[WK],
+                        "arrays": arrays_of(arrays),
+                        "u-bar": server.global_reference[WK].copy()})
     return history
 
 
-def test_explicit_upload_is_bit_identical_to_derived():
-    derived = _play_two_rounds("derived", with_change=False)
-    explicit = _play_two_rounds("explicit", with_change=True)
-    for d, e in zip(derived, explicit):
-        assert d.dtype == e.dtype == np.float32
-        np.testing.assert_array_equal(d, e)
-    assert not np.array_equal(derived[0], derived[1])  # the rounds actually moved u_bar
-    assert np.any(derived[0] != 0)
+def test_explicit_and_derived_uploads_follow_algorithm_1():
+    expected = _expected_two_rounds()
+    derived = _play_two_rounds("derived")
+    explicit = _play_two_rounds("explicit", [r["changes"] for r in expected])
+    for r, (want, d, e) in enumerate(zip(expected, derived, explicit)):
+        # Both modes give the same parameters: the plain mean of the finals.
+        assert d["arrays"].keys() == e["arrays"].keys() == {WK, BN}
+        for key in (WK, BN):
+            assert d["arrays"][key].dtype == e["arrays"][key].dtype
+            np.testing.assert_array_equal(d["arrays"][key], e["arrays"][key])
+        np.testing.assert_allclose(d["arrays"][WK], want["theta"], rtol=1e-6)
+        # ... and the same u_bar, the one Algorithm 1 gives: u_bar = mean of u_k over
+        # all K clients (sampled or not), since every u_k and u_bar start at 0.
+        for got in (d["u-bar"], e["u-bar"]):
+            assert got.dtype == np.float32
+            np.testing.assert_allclose(got, want["u_bar"], rtol=1e-5, atol=1e-6,
+                                       err_msg=f"round {r + 1}")
+            np.testing.assert_allclose(got, np.mean(list(want["u"].values()), axis=0),
+                                       rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(d["u-bar"], e["u-bar"], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(derived[0]["u-bar"], [-31 / 90, -7 / 30], rtol=1e-5)
+    # Round 2 went out with round 1's theta and u_bar.
+    for played in (derived, explicit):
+        np.testing.assert_array_equal(played[0]["sent-u-bar"], [0.0, 0.0])
+        np.testing.assert_allclose(played[1]["received"], expected[0]["theta"], rtol=1e-6)
+        np.testing.assert_allclose(played[1]["sent-u-bar"], expected[0]["u_bar"], rtol=1e-5)
+    # The second round moved u_bar again.
+    assert np.max(np.abs(derived[1]["u-bar"] - derived[0]["u-bar"])) > 0.1
+
+
+def test_explicit_upload_uses_the_uploaded_change():
+    """In explicit mode u_bar follows what the clients sent, not the server's own
+    derivation: here every uploaded change is Algorithm 1's plus [1, -2]."""
+    expected = _expected_two_rounds()
+    offset = np.array([1.0, -2.0])
+    shifted = [{node: change + offset for node, change in r["changes"].items()}
+               for r in expected]
+    played = _play_two_rounds("explicit", shifted)
+    # Round 1: 3 replies of K = 3 -> u_bar moves by 3/3 * offset more.
+    np.testing.assert_allclose(played[0]["u-bar"], expected[0]["u_bar"] + offset, rtol=1e-5)
 
 
 def _explicit_round(bad: Message) -> tuple[FedSPC, dict]:
@@ -627,6 +698,7 @@ def test_fedspc_error_reply_is_dropped():
     arrays, metrics = server.aggregate_train(
         1, [error_reply(node=2), spc_reply([1.2, 0.6], 2, 1, node=1)])
     assert metrics["clients"] == 1
+    np.testing.assert_allclose(arrays_of(arrays)[WK], [1.2, 0.6], rtol=1e-6)
     np.testing.assert_allclose(server.global_reference[WK], [-1.0, 2.0], rtol=1e-5)
 
 
