@@ -123,12 +123,7 @@ class LoopbackDeployment:
             self.keys = [create_node_key(self.root / "keys", f"node-{i}")
                          for i in range(self.num_nodes)]
         self.port = free_port()
-        self.superlink = superlink_process(
-            self.home, port=self.port, certs_dir=self.certs.ca_cert.parent if self.certs
-            else None, node_auth=self.node_auth, log_file=self.root / "superlink.log")
-        self.superlink.start()
-        wait_healthy(self.address, ca_file=self.ca_file, process=self.superlink,
-                     timeout=timeout)
+        self.start_superlink(timeout)
         write_connection(self.home, CONNECTION, self.address,
                          root_certificates=self.ca_file, insecure=not self.tls)
         for key in self.keys:
@@ -140,6 +135,25 @@ class LoopbackDeployment:
         for partition_id in range(self.num_nodes):
             self.wait_connected(partition_id, timeout)
         return self
+
+    def start_superlink(self, timeout: float = 120.0) -> None:
+        """The SuperLink, keeping its state (registered SuperNodes, runs) in an SQLite
+        file so that a restarted SuperLink knows its SuperNodes again."""
+        self.superlink = superlink_process(
+            self.home, port=self.port, certs_dir=self.certs.ca_cert.parent if self.certs
+            else None, node_auth=self.node_auth, log_file=self.root / "superlink.log",
+            database=self.home / "superlink.db")
+        self.superlink.start()
+        wait_healthy(self.address, ca_file=self.ca_file, process=self.superlink,
+                     timeout=timeout)
+
+    def restart_superlink(self, timeout: float = 120.0) -> None:
+        """Kill the SuperLink with everything it started (SIGKILL, as a crash would) and
+        start it again on the same port and database; the SuperNodes keep running and
+        reconnect by themselves."""
+        if self.superlink is not None:
+            self.superlink.stop(timeout=0)
+        self.start_superlink(timeout)
 
     def stop(self) -> None:
         """Stop running flwr commands, every SuperNode, then the SuperLink, all by PID."""

@@ -47,8 +47,8 @@ def wait_healthy(address: str, *, ca_file: str | os.PathLike[str] | None,
 
 def superlink_process(flwr_home: str | os.PathLike[str], *, port: int,
                       certs_dir: str | os.PathLike[str] | None, node_auth: bool = True,
-                      host: str = "127.0.0.1", log_file: str | os.PathLike[str]
-                      ) -> OwnedProcess:
+                      host: str = "127.0.0.1", log_file: str | os.PathLike[str],
+                      database: str | os.PathLike[str] | None = None) -> OwnedProcess:
     """``deploy/start-superlink.sh`` (not started), in ``flwr_home`` (created if missing)."""
     Path(flwr_home).mkdir(parents=True, exist_ok=True)
     command = ["bash", DEPLOY_DIR / "start-superlink.sh", "--host", host, "--port", str(port)]
@@ -58,6 +58,8 @@ def superlink_process(flwr_home: str | os.PathLike[str], *, port: int,
         command += ["--certs", str(certs_dir)]
         if not node_auth:
             command.append("--no-auth")
+    if database is not None:
+        command += ["--database", str(database)]
     return OwnedProcess(command, env=flower_env(flwr_home), log_file=log_file,
                         cwd=flwr_home)
 

@@ -19,6 +19,7 @@ from flwr.supercore import log
 
 from clients.durable import SIMULATION_FOLDER
 from fedspc_app.core.checkpoint import (
+    CHECKPOINT_JSON,
     COMPLETE,
     TRAINED,
     Checkpoint,
@@ -31,7 +32,7 @@ from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError, FedSPCError
 from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.partition import save_partition
-from fedspc_app.core.results import RunRecorder, TrafficGrid
+from fedspc_app.core.results import RunRecorder, TrafficGrid, read_summary
 from fedspc_app.core.task import (
     ParameterSplit,
     load_partition,
@@ -104,9 +105,17 @@ class RoundRecords:
 def resume_point(config: RunConfig, identity: dict) -> Checkpoint | None:
     """The checkpoint to continue from, or ``None`` to start at round 1.
 
-    A run that does not resume removes an earlier run's checkpoint in its folder.
+    A run that does not resume replaces a finished run of the same name, but never
+    an unfinished one: its checkpoint may hold days of training.
     """
     if not config.resume:
+        checkpoint = config.run_dir / CHECKPOINT_JSON
+        summary = read_summary(config.run_dir)
+        if checkpoint.is_file() and not (summary or {}).get("complete"):
+            raise ConfigError(
+                f"{config.run_dir} holds the checkpoint of an unfinished run: continue it "
+                "with resume = true (python -m fedspc_app.simulate ... --resume), or move "
+                "the folder away (or pick another run-name) to start again")
         remove_checkpoint(config.run_dir)
         return None
     resumed = read_checkpoint(config.run_dir, identity)

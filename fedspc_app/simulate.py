@@ -1,7 +1,7 @@
 """Run the app once in Flower's Ray simulation, on a private SuperLink that is always stopped::
 
     python -m fedspc_app.simulate --run-config conf/cpu-cifar100-cnn.toml \\
-        --clients 10 --client-cpus 1 --set "num-rounds=3"
+        --clients 10 --client-cpus 1 --set "num-rounds=3" [--resume]
 
 Exit code 2: bad input (nothing was started); 1: the run failed.
 """
@@ -28,9 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     add_resource_arguments(parser)
     parser.add_argument("--flwr-home", help="keep the SuperLink's FLWR_HOME here")
     parser.add_argument("--log", help="also write the run's output to this file")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the checkpoint in the run's folder (resume = true)")
     args = parser.parse_args(argv)
     try:
-        run_config = simulation_overrides(args)
+        run_config = simulation_overrides(args, **({"resume": True} if args.resume else {}))
     except FedSPCError as error:
         return fail(error, BAD_INPUT)
     return simulate_once(run_config, args, echo=True,

@@ -143,6 +143,7 @@ def test_a_faulty_train_reply_is_dropped_and_its_state_not_committed(tmp, fault,
     assert any(reason in text for text in rounds[1]["dropped-reasons"])
     for server_round in (1, 2, 3):
         assert all_finite(broadcast(grid, server_round))
+    assert all_finite(grid.snapshots[3][0])  # u_bar
     # Node 2 (partition 1) stands where it stood before round 2; the others moved on.
     _, states = grid.snapshots[3]
     assert states[1].round == 1 and states[1].rounds_trained == 1
@@ -237,11 +238,12 @@ class Crashing(InProcessGrid):
         return super().deliver(message)
 
 
-def comparable(rounds: list[dict]) -> list[float]:
-    """Round, accuracy, loss, train loss and each client's accuracy, flat."""
-    return [value for r in rounds for value in (
-        r["round"], r["accuracy"], r["loss"], r["train-loss"],
-        *(r["client-accuracy"][pid] for pid in sorted(r["client-accuracy"])))]
+def accuracies(rounds: list[dict]) -> list:
+    return [(r["round"], r["accuracy"], r["client-accuracy"]) for r in rounds]
+
+
+def losses(rounds: list[dict]) -> list[float]:
+    return [value for r in rounds for value in (r["loss"], r["train-loss"])]
 
 
 # 6 messages a round (3 train, 3 evaluate): the crash comes in the middle of round 2's
@@ -261,9 +263,30 @@ def test_a_crashed_run_resumes_to_the_same_metrics(tmp, crash_at):
     # A new grid: new contexts, as after a restart; the clients' state is on disk.
     _, resumed, error = run(tmp / "b", resume=True, **overrides)
     assert error is None
-    # Two runs in one process differ by kernel rounding noise (~1e-8) only.
-    assert comparable(resumed) == pytest.approx(comparable(expected), rel=1e-5)
+    # The same correct predictions; losses up to the rounding noise of the CPU kernels,
+    # which already separates two uninterrupted runs in one process (~1e-5 by round 3).
+    assert accuracies(resumed) == accuracies(expected)
+    assert losses(resumed) == pytest.approx(losses(expected), rel=1e-4)
     assert not (tmp / "b" / "run" / "client-state").exists()  # removed once complete
+
+
+def test_an_unfinished_run_is_never_restarted_over_but_a_finished_one_is(tmp):
+    crashing = Crashing(client_app.app, K, {})
+
+    def grid(*args):
+        crashing.__init__(*args)
+        crashing.crash_at = 8
+        return crashing
+
+    with pytest.raises(Crash):
+        run(tmp, grid_type=grid, checkpoint=True)
+    _, _, error = run(tmp, checkpoint=True)
+    assert error is not None and "checkpoint of an unfinished run" in error
+    assert (tmp / "run" / CHECKPOINT_JSON).is_file()
+    _, rounds, error = run(tmp, checkpoint=True, resume=True)
+    assert error is None and len(rounds) == 3
+    _, rounds, error = run(tmp, checkpoint=True, num_rounds=1)  # finished: start again
+    assert error is None and len(rounds) == 1
 
 
 def test_a_checkpoint_of_another_config_is_refused(tmp):

@@ -76,6 +76,15 @@ def write_metrics(run_dir: Path, payload: Mapping[str, Any], rows: Iterable[Mapp
     atomic_write(run_dir / METRICS_CSV, buffer.getvalue())
 
 
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """A run folder's ``summary.json``, or ``None`` when it is missing or unreadable."""
+    try:
+        summary = json.loads((Path(run_dir) / SUMMARY_JSON).read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
 def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> None:
     atomic_write(run_dir / SUMMARY_JSON, json.dumps(summary, indent=2))
 

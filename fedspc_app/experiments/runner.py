@@ -22,6 +22,7 @@ from typing import Any
 
 import tomli_w
 
+from fedspc_app.core.checkpoint import CHECKPOINT_JSON
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.files import atomic_write
 from fedspc_app.core.results import CONFIG_JSON, SUMMARY_JSON, format_duration
@@ -126,8 +127,11 @@ class SharedSuperLink:
 
 def run_federated_cell(cell: Cell, log_file: Path, *, link: SharedSuperLink,
                        simulation: SimulationSettings, echo: bool = False) -> dict[str, Any]:
+    run_config = cell.run_config
+    if (cell.run_dir / CHECKPOINT_JSON).is_file():  # interrupted: continue, not restart
+        run_config = {**run_config, "resume": True}
     try:
-        return run_simulation(cell.run_config, superlink=link.get(),
+        return run_simulation(run_config, superlink=link.get(),
                               clients=simulation.clients, client_cpus=simulation.client_cpus,
                               client_gpus=simulation.client_gpus, log_file=log_file,
                               timeout=simulation.timeout, echo=echo)
