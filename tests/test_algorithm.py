@@ -164,7 +164,8 @@ def task_identity():
 def reply(outcome, node_id: int) -> Message:
     content = RecordDict({
         "arrays": to_record({k: v.astype(np.float32) for k, v in outcome.shared.items()}),
-        "metrics": MetricRecord({**outcome.metrics, "num-examples": 1}),
+        "metrics": MetricRecord({**outcome.metrics, "num-examples": 1,
+                                 "partition-id": node_id - 1}),
     })
     return Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN)
 

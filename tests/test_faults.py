@@ -303,7 +303,7 @@ def test_a_checkpoint_of_another_config_is_refused(tmp):
 
 @pytest.mark.parametrize("node_config,message", [
     ({"partition-id": 0, "num-partitions": 2, "state_dir": "/x"},
-     "unknown node-config key 'state_dir' (did you mean: state-dir?)"),
+     "unknown node-config key 'state_dir' (did you mean: state-dir"),
     ({"partition-id": 0, "num-partitions": 2, "datadir": "/x"}, "did you mean: data-dir"),
     ({"partition-id": "one", "num-partitions": 2}, "'partition-id' must be an integer"),
     ({"partition-id": 2, "num-partitions": 2}, "is not in [0, num-partitions=2)"),

@@ -35,7 +35,7 @@ def run_app(method: str, fedspc: bool, **overrides) -> tuple[InProcessGrid, dict
     run_config = {
         "method": method, "fedspc": fedspc, "num-rounds": 2, "local-epochs": 1,
         "ditto-personal-epochs": 1, "batch-size": 64, "alpha": 0.5,
-        "output-dir": str(OUTPUT),
+        "output-dir": str(OUTPUT), "checkpoint": False,  # client state in context.state
         "run-name": f"{method}-{fedspc}-" + "-".join(f"{k}{v}" for k, v in
                                                      sorted(overrides.items())),
         **{key.replace("_", "-"): value for key, value in overrides.items()},
@@ -247,7 +247,8 @@ def test_fedbabu_head_stays_at_the_common_initialisation():
 
 def test_a_failing_client_does_not_stop_the_round_or_commit_state():
     run_config = {"method": "fedper", "fedspc": True, "num-rounds": 2, "local-epochs": 1,
-                  "alpha": 0.5, "output-dir": str(OUTPUT), "run-name": "failing"}
+                  "alpha": 0.5, "output-dir": str(OUTPUT), "run-name": "failing",
+                  "checkpoint": False}
     grid = InProcessGrid(client_app.app, NUM_CLIENTS, run_config)
     grid.fail_nodes = {2}
     server_app.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),

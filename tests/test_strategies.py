@@ -22,7 +22,7 @@ from flwr.app import (
 )
 from flwr.supercore.task_identity import TaskIdentity
 
-from strategies import FedSPC, NoValidReplies, PersonalizedFedAvg, mean_arrays
+from strategies import FedSPC, PersonalizedFedAvg, mean_arrays
 
 W = "body.weight"
 B = "body.bias"
@@ -69,7 +69,9 @@ def instruction(node: int) -> Message:
 
 def reply(arrays: dict, node: int = 1, extra_records: dict | None = None,
           **metrics) -> Message:
-    """A train reply carrying ``arrays`` and the MetricRecord ``metrics``."""
+    """A train reply carrying ``arrays`` and the MetricRecord ``metrics`` (partition
+    ``node - 1`` unless given)."""
+    metrics.setdefault("partition-id", node - 1)
     content = RecordDict({"arrays": record(arrays), "metrics": MetricRecord(metrics)})
     for key, value in (extra_records or {}).items():
         content[key] = value
@@ -97,7 +99,7 @@ SHARED = {W: f32(1.0, 2.0, 3.0), B: f32(0.5), NBT: np.array(4, dtype=np.int64)}
 
 def strategy(**kwargs) -> PersonalizedFedAvg:
     """A PersonalizedFedAvg whose broadcast is SHARED (set through configure_train)."""
-    result = PersonalizedFedAvg(shared_keys=list(SHARED), **kwargs)
+    result = PersonalizedFedAvg(shared_keys=list(SHARED), num_partitions=10, **kwargs)
     result.configure_train(1, record(SHARED), ConfigRecord(), FakeGrid([1, 2]))
     return result
 
@@ -262,28 +264,72 @@ def test_check_reply_gives_a_reason(kind):
     assert server.check_reply(reply(GOOD_A, **{"num-examples": 1})) is None
 
 
-def test_all_replies_bad_raises_no_valid_replies_with_reasons():
+def test_a_round_without_a_usable_reply_fails_with_its_reasons():
     # Prepare
     server = strategy()
     bad = _bad_replies()
     replies = [bad["error"][0], bad["nan"][0], bad["personal-key"][0]]
 
     # Execute
-    with pytest.raises(NoValidReplies) as info:
-        server.aggregate_train(4, replies)
+    arrays, metrics = server.aggregate_train(4, replies)
 
-    # Assert
-    message = str(info.value)
-    assert "round 4" in message
-    assert "3" in message
-    assert "boom" in message
-    assert "non-finite" in message
-    assert "head.weight" in message
+    # Assert: no aggregate, and why
+    assert arrays is None and metrics is None
+    report = server.report
+    assert report.failed and report.server_round == 4
+    assert (report.sampled, report.accepted, report.dropped) == (3, 0, 3)
+    reasons = " | ".join(report.reasons)
+    assert "boom" in reasons and "non-finite" in reasons and "head.weight" in reasons
 
 
-def test_no_replies_at_all_raises_no_valid_replies():
-    with pytest.raises(NoValidReplies):
-        strategy().aggregate_train(1, [])
+def test_no_replies_at_all_fail_the_round():
+    server = strategy()  # two nodes were sampled
+    assert server.aggregate_train(1, []) == (None, None)
+    assert server.report.failed
+    assert "2 sampled client(s) did not reply" in server.report.reasons[-1]
+
+
+@pytest.mark.parametrize("good,needed_fraction,fails", [
+    (1, 0.5, True), (2, 0.5, False), (1, 0.33, False), (1, 0.34, True), (2, 1.0, True),
+])
+def test_min_train_replies_is_a_fraction_of_the_sampled_clients(good, needed_fraction,
+                                                                 fails):
+    # Prepare: 3 sampled nodes (4 connected, fraction 0.75), `good` usable replies
+    server = PersonalizedFedAvg(shared_keys=list(SHARED), num_partitions=10,
+                                fraction_train=0.75, min_train_replies=needed_fraction)
+    messages = list(server.configure_train(1, record(SHARED), ConfigRecord(),
+                                           FakeGrid([1, 2, 3, 4])))
+    assert len(messages) == 3
+    replies = [reply(GOOD_A, node=n, **{"num-examples": 5}) for n in range(1, good + 1)]
+    replies += [error_reply(node=9)] * (3 - good)
+
+    # Execute
+    arrays, _ = server.aggregate_train(1, replies)
+
+    # Assert: ceil(fraction * 3) usable replies needed
+    assert (arrays is None) == fails == server.report.failed
+
+
+def test_accepted_replies_are_what_the_next_messages_tell_the_clients():
+    server = strategy()
+    server.aggregate_train(3, [reply(GOOD_A, node=1, **{"num-examples": 5}),
+                               reply(GOOD_B, node=3, **{"num-examples": 5,
+                                                        "partition-id": 99})])
+    decisions = server.decisions()
+    assert decisions["accepted-rounds"][:3] == [3, 0, 0]  # partition 99 is not a client
+    messages = list(server.configure_evaluate(3, record(SHARED), ConfigRecord(),
+                                              FakeGrid([1, 2])))
+    assert list(messages[0].content.config_records["config"]["accepted-rounds"])[:3] == \
+        [3, 0, 0]
+
+
+def test_a_second_reply_for_one_partition_is_dropped():
+    server = strategy()
+    _, metrics = server.aggregate_train(1, [
+        reply(GOOD_A, node=1, **{"num-examples": 5}),
+        reply(GOOD_B, node=2, **{"num-examples": 5, "partition-id": 0})])
+    assert metrics["clients"] == 1
+    assert "a second reply for partition 0" in server.report.reasons[0]
 
 
 @pytest.mark.parametrize(
@@ -324,9 +370,7 @@ def test_configure_train_messages_carry_only_the_shared_keys():
 
 def test_aggregate_evaluate_personalized_and_weighted_accuracy():
     # Prepare: partition ids out of order, very different test-set sizes
-    calls = []
-    server = PersonalizedFedAvg(shared_keys=[W],
-                                on_round_end=lambda *args: calls.append(args))
+    server = PersonalizedFedAvg(shared_keys=[W], num_partitions=3)
     replies = [
         eval_reply(partition_id=2, correct=9, n=10, loss_sum=3.0, node=3),
         error_reply(node=7, reason="eval broke"),
@@ -345,35 +389,32 @@ def test_aggregate_evaluate_personalized_and_weighted_accuracy():
     assert list(result["client-ids"]) == [0, 1, 2]
     assert list(result["client-accuracy"]) == pytest.approx([0.25, 0.75, 0.9])
     assert list(result["client-examples"]) == [4, 40, 10]
-    assert calls == [(5, None, result)]
 
 
-def test_aggregate_evaluate_reports_the_last_train_metrics():
-    # Prepare
-    calls = []
-    server = strategy(on_round_end=lambda *args: calls.append(args))
-    _, train_metrics = server.aggregate_train(
-        3, [reply(GOOD_A, node=1, **{"num-examples": 10, "train-loss": 0.5})])
+@pytest.mark.parametrize("metrics,reason", [
+    ({"num-examples": 10, "loss-sum": 1.0, "partition-id": 0}, "missing correct"),
+    ({"num-examples": 10, "correct": 11, "loss-sum": 1.0, "partition-id": 0}, "'correct'"),
+    ({"num-examples": 10, "correct": 5, "loss-sum": float("nan"), "partition-id": 0},
+     "'loss-sum'"),
+    ({"num-examples": 0, "correct": 0, "loss-sum": 1.0, "partition-id": 0},
+     "'num-examples'"),
+    ({"num-examples": 10, "correct": 5, "loss-sum": 1.0, "partition-id": 17},
+     "'partition-id'"),
+])
+def test_a_bad_evaluation_reply_is_dropped_and_counted(metrics, reason):
+    server = strategy()
+    server.aggregate_train(2, [reply(GOOD_A, node=1, **{"num-examples": 5})])
+    bad = Message(content=RecordDict({"metrics": MetricRecord(metrics)}), dst_node_id=2,
+                  message_type=MessageType.EVALUATE)
+    assert reason in server.check_evaluation(bad)
+    result = server.aggregate_evaluate(2, [eval_reply(1, 5, 10, 2.0), bad])
+    assert result["clients"] == 1 and result["accuracy"] == pytest.approx(0.5)
+    assert server.report.evaluate_dropped == 1
 
-    # Execute
-    result = server.aggregate_evaluate(3, [eval_reply(0, 5, 10, 2.0)])
 
-    # Assert
-    assert len(calls) == 1
-    round_, train, evaluation = calls[0]
-    assert round_ == 3
-    assert train is train_metrics
-    assert train["clients"] == 1 and train["train-loss"] == pytest.approx(0.5)
-    assert evaluation is result
-    assert result["accuracy"] == pytest.approx(0.5)
-
-
-def test_aggregate_evaluate_with_only_errors_returns_none_and_still_calls_back():
-    calls = []
-    server = PersonalizedFedAvg(shared_keys=[W],
-                                on_round_end=lambda *args: calls.append(args))
+def test_aggregate_evaluate_with_only_errors_returns_none():
+    server = PersonalizedFedAvg(shared_keys=[W])
     assert server.aggregate_evaluate(1, [error_reply(), error_reply()]) is None
-    assert calls == [(1, None, None)]
 
 
 # ===================================================================== FedSPC
@@ -383,7 +424,8 @@ ETA = 0.1
 
 
 def fedspc(upload: str = "derived", fraction_train: float = 1.0) -> FedSPC:
-    inner = PersonalizedFedAvg(shared_keys=[WK, BN], fraction_train=fraction_train)
+    inner = PersonalizedFedAvg(shared_keys=[WK, BN], fraction_train=fraction_train,
+                               num_partitions=10)
     return FedSPC(inner, corrected_keys=[WK], learning_rate=ETA, upload=upload)
 
 
@@ -654,12 +696,13 @@ def test_explicit_reply_with_a_bad_reference_change_is_dropped(change):
     np.testing.assert_allclose(server.global_reference[WK], [-1.0, 2.0], rtol=1e-6)
 
 
-def test_explicit_reply_without_reference_change_alone_raises():
+def test_explicit_reply_without_reference_change_alone_fails_the_round():
     server = fedspc("explicit")
     server.configure_train(1, record({WK: f32(1.0, 1.0), BN: np.array(0)}),
                            ConfigRecord(), FakeGrid([1, 2]))
-    with pytest.raises(NoValidReplies, match="reference-change"):
-        server.aggregate_train(1, [spc_reply([1.2, 0.6], 2, 1, node=1)])
+    assert server.aggregate_train(1, [spc_reply([1.2, 0.6], 2, 1, node=1)]) == (None, None)
+    assert server.report.failed and "reference-change" in server.report.reasons[0]
+    np.testing.assert_array_equal(server.global_reference[WK], [0.0, 0.0])  # unchanged
 
 
 @pytest.mark.parametrize("upload", ["derived", "explicit"])
@@ -682,13 +725,13 @@ def test_reply_without_positive_shared_steps_is_dropped(upload, steps):
     np.testing.assert_allclose(server.global_reference[WK], [-1.0, 2.0], rtol=1e-5)
 
 
-def test_all_replies_without_shared_steps_raise():
+def test_all_replies_without_shared_steps_fail_the_round():
     server = fedspc()
     server.configure_train(1, record({WK: f32(1.0, 1.0), BN: np.array(0)}),
                            ConfigRecord(), FakeGrid([1, 2]))
-    with pytest.raises(NoValidReplies, match="shared-steps"):
-        server.aggregate_train(1, [spc_reply([1.2, 0.6], 2, 0, node=1),
-                                   spc_reply([1.2, 0.6], 2, None, node=2)])
+    assert server.aggregate_train(1, [spc_reply([1.2, 0.6], 2, 0, node=1),
+                                      spc_reply([1.2, 0.6], 2, None, node=2)]) == (None, None)
+    assert all("shared-steps" in reason for reason in server.report.reasons)
 
 
 def test_fedspc_error_reply_is_dropped():
@@ -703,12 +746,22 @@ def test_fedspc_error_reply_is_dropped():
 
 
 def test_fedspc_evaluation_is_delegated():
-    calls = []
-    inner = PersonalizedFedAvg(shared_keys=[WK, BN],
-                               on_round_end=lambda *args: calls.append(args))
+    inner = PersonalizedFedAvg(shared_keys=[WK, BN])
     server = FedSPC(inner, corrected_keys=[WK], learning_rate=ETA)
     result = server.aggregate_evaluate(2, [eval_reply(0, 3, 4, 1.0),
                                            eval_reply(1, 1, 4, 3.0)])
     assert result["accuracy"] == pytest.approx(0.5)
     assert result["loss"] == pytest.approx(0.5)
-    assert calls == [(2, None, result)]
+
+
+def test_fedspc_state_round_trips_through_a_checkpoint():
+    server = fedspc()
+    server.configure_train(1, record({WK: f32(0.0, 0.0), BN: np.array(0)}),
+                           ConfigRecord(), FakeGrid([1, 2, 3, 4]))
+    server.aggregate_train(1, [spc_reply([0.2, -0.4], 0, 1, node=1)])
+    restored = fedspc()
+    restored.load_state_dict(server.state_dict(), 1, global_reference=server.state_arrays())
+    assert restored.num_clients == 4
+    np.testing.assert_array_equal(restored.global_reference[WK], server.global_reference[WK])
+    assert restored.strategy.accepted_rounds == server.strategy.accepted_rounds
+    assert restored.durable_through == 1
