@@ -13,38 +13,27 @@ import shutil
 import time
 from logging import ERROR, INFO
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.app import ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from clients.durable import SIMULATION_FOLDER
-from fedspc_app.core.checkpoint import (
-    CHECKPOINT_JSON,
-    COMPLETE,
-    TRAINED,
-    Checkpoint,
-    fingerprint,
-    read_checkpoint,
-    remove_checkpoint,
-    write_checkpoint,
-)
+from fedspc_app.core.checkpoint import TRAINED, RoundRecords, fingerprint, resume_point
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError, FedSPCError
 from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.partition import save_partition
-from fedspc_app.core.results import RunRecorder, TrafficGrid, read_summary
+from fedspc_app.core.results import RunRecorder, TrafficGrid
 from fedspc_app.core.task import (
     ParameterSplit,
     load_partition,
     make_model,
     parameter_split,
-    from_record,
     state_arrays,
     to_record,
 )
 from fedspc_app.deployment import is_deployment, preflight, server_dataset
-from strategies import FedSPC, PersonalizedFedAvg, RoundReport, run_rounds
-from strategies.personalized import RUN_TOKEN
+from strategies import FedSPC, PersonalizedFedAvg, run_rounds
 
 app = ServerApp()
 
@@ -64,68 +53,6 @@ def build_strategy(config: RunConfig, method: Method, split: ParameterSplit,
         return FedSPC(strategy, corrected_keys=split.corrected,
                       learning_rate=config.learning_rate, upload=config.fedspc_upload)
     return strategy
-
-
-class RoundRecords:
-    """After each round: the progress line and results files, and the checkpoint."""
-
-    def __init__(self, config: RunConfig, strategy, recorder: RunRecorder,
-                 identity: dict, resumed: Checkpoint | None) -> None:
-        self.config = config
-        self.strategy = strategy
-        self.recorder = recorder
-        self.identity = identity
-        self.failed_streak = resumed.failed_streak if resumed else 0
-        self.shared = resumed.shared if resumed else {}
-
-    def checkpoint(self, server_round: int, phase: str, *, new_arrays: bool,
-                   train_metrics: MetricRecord | None = None) -> None:
-        if not self.config.checkpoint:
-            return
-        write_checkpoint(self.recorder.run_dir, Checkpoint(
-            round=server_round, phase=phase, shared=self.shared,
-            global_reference=self.strategy.state_arrays(),
-            strategy=self.strategy.state_dict(), failed_streak=self.failed_streak,
-            rounds=self.recorder.rounds, elapsed_seconds=self.recorder.elapsed,
-            train_metrics=dict(train_metrics) if train_metrics is not None else None,
-        ), self.identity, new_arrays=new_arrays)
-
-    def on_trained(self, server_round: int, arrays: ArrayRecord,
-                   train_metrics: MetricRecord | None, report: RoundReport) -> None:
-        self.failed_streak = self.failed_streak + 1 if report.failed else 0
-        self.shared = from_record(arrays)
-        self.checkpoint(server_round, TRAINED, new_arrays=True, train_metrics=train_metrics)
-
-    def on_round_end(self, server_round: int, train_metrics: MetricRecord | None,
-                     evaluate_metrics: MetricRecord | None, report: RoundReport | None) -> None:
-        self.recorder.on_round_end(server_round, train_metrics, evaluate_metrics, report)
-        self.checkpoint(server_round, COMPLETE, new_arrays=False)
-
-
-def resume_point(config: RunConfig, identity: dict) -> Checkpoint | None:
-    """The checkpoint to continue from, or ``None`` to start at round 1.
-
-    A run that does not resume replaces a finished run of the same name, but never
-    an unfinished one: its checkpoint may hold days of training.
-    """
-    if not config.resume:
-        checkpoint = config.run_dir / CHECKPOINT_JSON
-        summary = read_summary(config.run_dir)
-        if checkpoint.is_file() and not (summary or {}).get("complete"):
-            raise ConfigError(
-                f"{config.run_dir} holds the checkpoint of an unfinished run: continue it "
-                "with resume = true (python -m fedspc_app.simulate ... --resume), or move "
-                "the folder away (or pick another run-name) to start again")
-        remove_checkpoint(config.run_dir)
-        return None
-    resumed = read_checkpoint(config.run_dir, identity)
-    if resumed is None:
-        log(INFO, "resume = true but %s holds no checkpoint: starting at round 1",
-            config.run_dir)
-    elif resumed.round >= config.num_rounds and resumed.phase == COMPLETE:
-        raise ConfigError(f"the checkpoint in {config.run_dir} is already at round "
-                          f"{resumed.round} of num-rounds = {config.num_rounds}")
-    return resumed
 
 
 def wait_for_clients(grid: Grid, expected: int, timeout: float = 600.0) -> int:
@@ -199,8 +126,8 @@ def main(grid: Grid, context: Context) -> None:
         config.model, config.dataset, num_clients, config.alpha, config.num_rounds)
 
     records = RoundRecords(config, strategy, recorder, identity, resumed)
-    token = str(resumed.strategy.get(RUN_TOKEN, "")) if resumed else ""
-    strategy.run_token = token or secrets.token_hex(8)
+    if not strategy.run_token:  # a new run (a resumed one keeps its checkpoint's)
+        strategy.run_token = secrets.token_hex(8)
     round_config = {"num-clients": num_clients, "deployment": deployment}
     initial = resumed.shared if resumed else state_arrays(model, split.shared)
     evaluate_first = resumed is not None and resumed.phase == TRAINED

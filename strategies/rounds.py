@@ -38,8 +38,9 @@ def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
     """Run rounds ``first_round..num_rounds``; return the final shared block.
 
     ``evaluate_first`` resumes a round whose aggregation was checkpointed but whose
-    evaluation was not (``resumed_train_metrics``: that aggregation's metrics). A failed round (too few usable replies) keeps the shared
-    block, skips evaluation and counts towards ``max_failed_rounds`` in a row.
+    evaluation was not (``resumed_train_metrics``: that aggregation's metrics). A
+    failed round (too few usable replies) keeps the shared block, skips evaluation
+    and counts towards ``max_failed_rounds`` in a row.
     """
     train_config = train_config if train_config is not None else ConfigRecord()
     evaluate_config = evaluate_config if evaluate_config is not None else ConfigRecord()

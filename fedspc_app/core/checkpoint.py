@@ -13,14 +13,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from logging import INFO
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from flwr.app import ArrayRecord, MetricRecord
+from flwr.supercore import log
 
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.files import atomic_open, atomic_write
+from fedspc_app.core.results import RunRecorder, read_summary
+from fedspc_app.core.task import from_record
 
 CHECKPOINT_JSON = "checkpoint.json"
 FORMAT_VERSION = 1
@@ -140,3 +145,67 @@ def remove_checkpoint(run_dir: Path) -> None:
 
 def _plain(value: Any) -> Any:
     return value.tolist() if hasattr(value, "tolist") else str(value)
+
+
+class RoundRecords:
+    """The round loop's callbacks: after each round's aggregation the checkpoint,
+    after its evaluation the progress line, the results files and the checkpoint.
+    ``strategy`` answers ``state_dict()`` and ``state_arrays()`` (strategies/)."""
+
+    def __init__(self, config: RunConfig, strategy: Any, recorder: RunRecorder,
+                 identity: dict, resumed: Checkpoint | None) -> None:
+        self.config = config
+        self.strategy = strategy
+        self.recorder = recorder
+        self.identity = identity
+        self.failed_streak = resumed.failed_streak if resumed else 0
+        self.shared = resumed.shared if resumed else {}
+
+    def checkpoint(self, server_round: int, phase: str, *, new_arrays: bool,
+                   train_metrics: MetricRecord | None = None) -> None:
+        if not self.config.checkpoint:
+            return
+        write_checkpoint(self.recorder.run_dir, Checkpoint(
+            round=server_round, phase=phase, shared=self.shared,
+            global_reference=self.strategy.state_arrays(),
+            strategy=self.strategy.state_dict(), failed_streak=self.failed_streak,
+            rounds=self.recorder.rounds, elapsed_seconds=self.recorder.elapsed,
+            train_metrics=dict(train_metrics) if train_metrics is not None else None,
+        ), self.identity, new_arrays=new_arrays)
+
+    def on_trained(self, server_round: int, arrays: ArrayRecord,
+                   train_metrics: MetricRecord | None, report: Any) -> None:
+        self.failed_streak = self.failed_streak + 1 if report.failed else 0
+        self.shared = from_record(arrays)
+        self.checkpoint(server_round, TRAINED, new_arrays=True, train_metrics=train_metrics)
+
+    def on_round_end(self, server_round: int, train_metrics: MetricRecord | None,
+                     evaluate_metrics: MetricRecord | None, report: Any) -> None:
+        self.recorder.on_round_end(server_round, train_metrics, evaluate_metrics, report)
+        self.checkpoint(server_round, COMPLETE, new_arrays=False)
+
+
+def resume_point(config: RunConfig, identity: dict) -> Checkpoint | None:
+    """The checkpoint to continue from, or ``None`` to start at round 1.
+
+    A run that does not resume replaces a finished run of the same name, but never
+    an unfinished one: its checkpoint may hold days of training.
+    """
+    if not config.resume:
+        checkpoint = config.run_dir / CHECKPOINT_JSON
+        summary = read_summary(config.run_dir)
+        if checkpoint.is_file() and not (summary or {}).get("complete"):
+            raise ConfigError(
+                f"{config.run_dir} holds the checkpoint of an unfinished run: continue it "
+                "with resume = true (python -m fedspc_app.simulate ... --resume), or move "
+                "the folder away (or pick another run-name) to start again")
+        remove_checkpoint(config.run_dir)
+        return None
+    resumed = read_checkpoint(config.run_dir, identity)
+    if resumed is None:
+        log(INFO, "resume = true but %s holds no checkpoint: starting at round 1",
+            config.run_dir)
+    elif resumed.round >= config.num_rounds and resumed.phase == COMPLETE:
+        raise ConfigError(f"the checkpoint in {config.run_dir} is already at round "
+                          f"{resumed.round} of num-rounds = {config.num_rounds}")
+    return resumed
