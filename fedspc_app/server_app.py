@@ -144,6 +144,8 @@ def main(grid: Grid, context: Context) -> None:
             train_config=ConfigRecord(round_config),
             evaluate_config=ConfigRecord(round_config),
             max_failed_rounds=config.max_failed_rounds,
+            evaluate_every=config.evaluate_every,
+            evaluate_fraction=config.evaluate_fraction,
             failed_streak=resumed.failed_streak if resumed else 0,
             on_trained=records.on_trained,
             on_round_end=records.on_round_end,

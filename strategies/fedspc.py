@@ -94,6 +94,14 @@ class FedSPC(Strategy):
         self.strategy.durable_through = server_round
 
     @property
+    def fraction_evaluate(self) -> float:
+        return self.strategy.fraction_evaluate
+
+    @fraction_evaluate.setter
+    def fraction_evaluate(self, fraction: float) -> None:
+        self.strategy.fraction_evaluate = fraction
+
+    @property
     def run_token(self) -> str:
         return self.strategy.run_token
 

@@ -33,6 +33,7 @@ def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
                evaluate_config: ConfigRecord | None = None,
                max_failed_rounds: int = 3, failed_streak: int = 0,
                resumed_train_metrics: MetricRecord | None = None,
+               evaluate_every: int = 1, evaluate_fraction: float = 1.0,
                on_trained: Trained | None = None,
                on_round_end: RoundEnd | None = None) -> ArrayRecord:
     """Run rounds ``first_round..num_rounds``; return the final shared block.
@@ -40,7 +41,9 @@ def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
     ``evaluate_first`` resumes a round whose aggregation was checkpointed but whose
     evaluation was not (``resumed_train_metrics``: that aggregation's metrics). A
     failed round (too few usable replies) keeps the shared block, skips evaluation
-    and counts towards ``max_failed_rounds`` in a row.
+    and counts towards ``max_failed_rounds`` in a row. Clients are evaluated every
+    ``evaluate_every`` rounds, a sampled ``evaluate_fraction`` of them, except in the
+    last round, which evaluates every client.
     """
     train_config = train_config if train_config is not None else ConfigRecord()
     evaluate_config = evaluate_config if evaluate_config is not None else ConfigRecord()
@@ -67,10 +70,14 @@ def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
                         f"{failed_streak} rounds in a row failed (max-failed-rounds = "
                         f"{max_failed_rounds}); the last: " + "; ".join(report.reasons[:5]))
                 continue
-        replies = grid.send_and_receive(
-            strategy.configure_evaluate(server_round, arrays, evaluate_config, grid),
-            timeout=timeout)
-        evaluate_metrics = strategy.aggregate_evaluate(server_round, replies)
+        last = server_round == num_rounds
+        evaluate_metrics = None
+        if last or server_round % evaluate_every == 0:
+            strategy.fraction_evaluate = 1.0 if last else evaluate_fraction
+            replies = grid.send_and_receive(
+                strategy.configure_evaluate(server_round, arrays, evaluate_config, grid),
+                timeout=timeout)
+            evaluate_metrics = strategy.aggregate_evaluate(server_round, replies)
         if on_round_end is not None:
             on_round_end(server_round, train_metrics, evaluate_metrics, strategy.report)
         evaluate_first = False

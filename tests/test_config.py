@@ -400,3 +400,22 @@ def test_to_dict_round_trips(tmp_path):
 
 def test_default_to_dict_matches_pyproject(defaults):
     assert RunConfig().to_dict() == defaults
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("evaluate-every", 0, "'evaluate-every' must be >= 1"),
+    ("evaluate-fraction", 0.0, "'evaluate-fraction' must be in (0, 1]"),
+    ("evaluate-fraction", 1.5, "'evaluate-fraction' must be in (0, 1]"),
+    ("min-train-replies", 0.0, "'min-train-replies' must be in (0, 1]"),
+    ("max-failed-rounds", 0, "'max-failed-rounds' must be >= 1"),
+    ("round-timeout", 0.0, "'round-timeout' must be > 0"),
+])
+def test_schedule_and_failure_policy_keys_are_range_checked(key, value, message):
+    with pytest.raises(ConfigError) as info:
+        parse_run_config({key: value})
+    assert message in str(info.value)
+
+
+def test_resume_needs_checkpoints():
+    with pytest.raises(ConfigError, match="'resume = true' needs 'checkpoint = true'"):
+        parse_run_config({"resume": True, "checkpoint": False})

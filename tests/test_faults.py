@@ -325,3 +325,33 @@ def test_dropped_reply_reasons_are_plain_strings_in_metrics(tmp):
     _, rounds, _ = run(tmp, Faulty({(1, 1, "train"): RuntimeError("x")}), num_rounds=1)
     assert all(isinstance(text, str) for text in rounds[0]["dropped-reasons"])
 
+
+
+# ---------------------------------------------------------------- evaluation schedule
+def evaluated_clients(grid: InProcessGrid) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for message in grid.sent:
+        if message.metadata.message_type == MessageType.EVALUATE:
+            server_round = int(message.content.config_records["config"]["server-round"])
+            counts[server_round] = counts.get(server_round, 0) + 1
+    return counts
+
+
+def test_periodic_evaluation_always_evaluates_the_last_round(tmp):
+    grid, rounds, error = run(tmp, num_rounds=5, evaluate_every=2)
+    assert error is None
+    assert evaluated_clients(grid) == {2: K, 4: K, 5: K}
+    assert [r.get("accuracy") is not None for r in rounds] == [False, True, False, True, True]
+    summary = json.loads((tmp / "run" / "summary.json").read_text())
+    assert summary["complete"] and summary["final-round"] == 5
+
+
+def test_sampled_evaluation_uses_every_client_in_the_last_round(tmp):
+    grid, rounds, error = run(tmp, evaluate_fraction=0.34)  # 1 of 3 clients
+    assert error is None
+    assert evaluated_clients(grid) == {1: 1, 2: 1, 3: K}
+    assert [r["clients"] for r in rounds] == [1, 1, K]
+    # A client left out of an evaluation settles its state at its next message.
+    assert all(ClientState.from_records(grid.state(p), PENDING) is None for p in range(K))
+    assert [ClientState.from_records(grid.state(p), COMMITTED).round for p in range(K)] \
+        == [3, 3, 3]

@@ -68,6 +68,8 @@ class RunConfig:
     num_clients: int = 0
     fraction_train: float = 1.0
     aggregation: str = "mean"
+    evaluate_every: int = 1
+    evaluate_fraction: float = 1.0
 
     # Partitioning (the paper's Dirichlet label skew)
     alpha: float = 0.1
@@ -233,10 +235,11 @@ def validate(config: RunConfig) -> RunConfig:
                           f"got {config.min_train_replies!r}")
     if config.resume and not config.checkpoint:
         raise ConfigError("run-config 'resume = true' needs 'checkpoint = true'")
-    if not 0.0 < config.fraction_train <= 1.0 or not math.isfinite(config.fraction_train):
-        raise ConfigError(
-            f"run-config 'fraction-train' must be in (0, 1], got {config.fraction_train!r}"
-        )
+    for key, fraction in (("fraction-train", config.fraction_train),
+                          ("evaluate-fraction", config.evaluate_fraction)):
+        if not 0.0 < fraction <= 1.0 or not math.isfinite(fraction):
+            raise ConfigError(f"run-config '{key}' must be in (0, 1], got {fraction!r}")
+    _at_least("evaluate-every", config.evaluate_every, 1)
     if config.momentum >= 1.0:
         raise ConfigError(f"run-config 'momentum' must be < 1, got {config.momentum!r}")
     if config.vit_embed_dim % 12:

@@ -60,7 +60,8 @@ FEDERATED_ONLY = frozenset({
     "method", "fedspc", "fedspc-upload", "num-rounds", "num-clients", "fraction-train",
     "aggregation", "alpha", "min-samples", "partition-max-tries", "local-epochs",
     "learning-rate", "proximal-mu", "fedrep-head-epochs", "fedbabu-finetune-epochs",
-    "fedbabu-finetune-parts", "ditto-lambda", "ditto-personal-epochs",
+    "fedbabu-finetune-parts", "ditto-lambda", "ditto-personal-epochs", "evaluate-every",
+    "evaluate-fraction", "min-train-replies", "max-failed-rounds", "round-timeout",
 })
 
 # Run-name prefixes of numeric axes.

@@ -42,7 +42,8 @@ CELL_ERRORS = (SimulationFailed, FedSPCError, TimeoutError)
 """What a failing cell raises; anything else (e.g. Ctrl-C) stops the grid."""
 
 # Settings that may change without invalidating a finished run.
-_IRRELEVANT = {"data-dir", "output-dir", "download", "device"}
+_IRRELEVANT = {"data-dir", "output-dir", "download", "device", "checkpoint", "resume",
+               "round-timeout"}
 
 
 # ------------------------------------------------------------------------ status
