@@ -109,25 +109,12 @@ class DurableState:
         return stale
 
     def _meta(self, slot: str) -> dict | None:
-        path = self.path(slot)
-        if not path.is_file():
-            return None
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                return json.loads(str(data["meta"][()]))
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as error:
-            raise DurableStateError(f"cannot read the saved client state {path}: {error}. "
-                                    "Move the file away to restart this client") from error
+        loaded = self._load(slot, arrays=False)
+        return loaded[0] if loaded else None
 
-    def read(self, slot: str = COMMITTED) -> ClientState | None:
-        """The state saved in ``slot``, or ``None`` when there is no file.
-
-        Raises
-        ------
-        DurableStateError
-            If the file cannot be read or belongs to another run or partition:
-            starting over silently is what this store exists to prevent.
-        """
+    def _load(self, slot: str, *, arrays: bool = True
+              ) -> tuple[dict, dict[str, dict[str, np.ndarray]]] | None:
+        """``(meta, blocks)`` of the slot's file (blocks only when ``arrays``), or None."""
         path = self.path(slot)
         if not path.is_file():
             return None
@@ -135,7 +122,7 @@ class DurableState:
             with np.load(path, allow_pickle=False) as data:
                 meta = json.loads(str(data["meta"][()]))
                 blocks: dict[str, dict[str, np.ndarray]] = {}
-                for name in data.files:
+                for name in data.files if arrays else ():
                     if name == "meta":
                         continue
                     prefix, _, key = name.partition("/")
@@ -147,6 +134,22 @@ class DurableState:
                 f"cannot read the saved client state {path}: {error}. Move the file away "
                 "to restart this client from the initial personalized parameters and u_k = 0"
             ) from error
+        return meta, blocks
+
+    def read(self, slot: str = COMMITTED) -> ClientState | None:
+        """The state saved in ``slot``, or ``None`` when there is no file.
+
+        Raises
+        ------
+        DurableStateError
+            If the file cannot be read or belongs to another run or partition:
+            starting over silently is what this store exists to prevent.
+        """
+        loaded = self._load(slot)
+        if loaded is None:
+            return None
+        meta, blocks = loaded
+        path = self.path(slot)
         if meta.get("format") != FORMAT_VERSION:
             raise DurableStateError(f"{path} has format {meta.get('format')!r}, "
                                     f"this version reads {FORMAT_VERSION}")
