@@ -211,7 +211,8 @@ class PersonalizedFedAvg(FedAvg):
 
     def accept_replies(self, server_round: int, replies: Iterable[Message],
                        check: Callable[[Message], str | None] | None = None) -> list[Message]:
-        """The usable replies, or none when there are too few (the round fails).
+        """The usable replies in partition order, or none when there are too few (the round
+        fails).
 
         Why each other reply was dropped is logged and kept in :attr:`report`.
         """
@@ -246,7 +247,9 @@ class PersonalizedFedAvg(FedAvg):
                 "%d needed; the shared block stays as it was", server_round, len(accepted),
                 sampled, needed)
             return []
-        return accepted
+        # Sums of floats depend on their order, and replies arrive in any order: in
+        # partition order, the same seed gives bit-identical aggregates.
+        return sorted(accepted, key=lambda m: m.content.metric_records[METRICS]["partition-id"])
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -388,10 +388,6 @@ def deployment(tmp_path_factory):
             assert start_time(pid) != started_at, f"process {pid} survived"
 
 
-def node_log_since(node, offset: int) -> str:
-    return node.log_text()[offset:]
-
-
 @pytest.mark.e2e
 def test_tls_and_node_auth_deployment_trains_fedrep_with_fedspc(deployment, tmp_path):
     assert len(deployment.online_nodes()) == 2
@@ -498,15 +494,19 @@ def test_restarted_supernode_continues_from_its_durable_state(deployment, tmp_pa
     assert len(rounds) == 3 and rounds[-1]["train-clients"] == 2
     after_restart = restarted.log_text()
     trained_after = after_restart.count("Sending: train message")
-    trained_node0 = node_log_since(deployment.nodes[0], offsets[0]).count(
-        "Sending: train message")
     assert trained_after >= 1
     assert "was lost" not in after_restart
-    # Its rounds continue from the saved round: in the reply (the last round's
-    # min-rounds-trained) and in the file.
-    assert rounds[-1]["min-rounds-trained"] == min(trained_node0, 1 + trained_after)
+    # Node 0 is never disturbed, so node 1's reply went into a round's aggregate
+    # exactly when that round has two training clients. Whether its round-1 reply,
+    # sent just before the stop, still reached the server depends on timing: when it
+    # did, the restarted node must have committed the round-1 state it saved before
+    # the stop; when not, discarded it. Either way its rounds are the accepted ones:
+    # in its last reply (min-rounds-trained) and in its file.
+    accepted = sum(1 for r in rounds if r["train-clients"] == 2)
+    assert accepted in (trained_after, trained_after + 1)
+    assert rounds[-1]["min-rounds-trained"] == accepted
     saved = DurableState(deployment.state_dir(1) / "restart", "restart", 1).read()
-    assert saved.rounds_trained == 1 + trained_after
+    assert saved.rounds_trained == accepted
 
 
 @pytest.mark.deploy

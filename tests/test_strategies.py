@@ -332,6 +332,33 @@ def test_a_second_reply_for_one_partition_is_dropped():
     assert "a second reply for partition 0" in server.report.reasons[0]
 
 
+def test_aggregates_do_not_depend_on_the_order_replies_arrive_in():
+    """Float sums depend on their order; replies are summed in partition order, so the
+    same seed gives bit-identical runs however the replies arrive."""
+    rng = np.random.default_rng(0)
+    n = 6
+    values = [rng.standard_normal(64).astype(np.float32) * 10.0 ** rng.integers(-6, 6)
+              for _ in range(n)]
+    finals = [{WK: v, BN: np.array(1, dtype=np.int64)} for v in values]
+
+    def play(order):
+        server = fedspc()
+        server.configure_train(1, record({WK: np.zeros(64, np.float32),
+                                          BN: np.array(0, dtype=np.int64)}),
+                               ConfigRecord(), FakeGrid(list(range(1, n + 1))))
+        replies = [reply(finals[i], node=int(i) + 1, **{"num-examples": 10 + int(i),
+                                                   "shared-steps": 3}) for i in order]
+        arrays, _ = server.aggregate_train(1, replies)
+        return arrays_of(arrays)[WK], server.global_reference[WK]
+
+    reference = play(range(n))
+    for seed in range(5):
+        order = np.random.default_rng(seed).permutation(n)
+        theta, u_bar = play(order)
+        assert theta.tobytes() == reference[0].tobytes(), order
+        assert u_bar.tobytes() == reference[1].tobytes(), order
+
+
 @pytest.mark.parametrize(
     "arrays",
     [
