@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import time
 from dataclasses import dataclass, replace
 from logging import INFO, WARNING
 
@@ -28,8 +29,8 @@ from fedspc_app.core.task import (
     ParameterSplit,
     client_data,
     from_record,
+    initial_model,
     load_partition,
-    make_model,
     parameter_split,
     to_record,
 )
@@ -40,6 +41,8 @@ from strategies.personalized import (
     DURABLE_THROUGH,
     METRICS,
     RUN_TOKEN,
+    SETUP_SECONDS,
+    WORK_SECONDS,
 )
 
 app = ClientApp()
@@ -134,7 +137,7 @@ class ClientSetup:
         method = get_method(config.method)
         partition_id, num_partitions = node_partition(message, context)
         data = client_data(config, partition_id, num_partitions)
-        model = make_model(config, data.dataset)
+        model = initial_model(config, data.dataset)
         deployment = bool(message_config(message).get("deployment", False))
         store = DurableState.for_node(context.node_config, config.run_dir,
                                       config.resolved_run_name, partition_id,
@@ -200,40 +203,53 @@ class ClientSetup:
                     server_round=self.server_round, partition_id=self.partition_id)
 
 
+def timings(started: float, working: float, finished: float) -> dict[str, float]:
+    """Where a handler's time went: building its setup and reading its state
+    (``setup-seconds``; data loading on a worker's first message), then training or
+    evaluating (``work-seconds``; for training, saving the new state too)."""
+    return {SETUP_SECONDS: working - started, WORK_SECONDS: finished - working}
+
+
 @app.train()
 def train(message: Message, context: Context) -> Message:
     """One round of local training; its new state stays pending until the server
     says whether it aggregated the reply (see :class:`clients.state.ClientLedger`)."""
+    started = time.perf_counter()
     setup = ClientSetup.from_message(message, context)
     ledger, state = setup.load_state(message, context)
     global_reference = None
     if GLOBAL_REFERENCE in message.content.array_records:
         global_reference = from_record(message.content.array_records[GLOBAL_REFERENCE])
-    outcome = train_client(**setup.arguments(message, state),
-                           global_reference=global_reference)
-    content = RecordDict({
-        ARRAYS: to_record(outcome.shared),
-        METRICS: MetricRecord({**outcome.metrics, "partition-id": setup.partition_id}),
-    })
+    arguments = setup.arguments(message, state)
+    working = time.perf_counter()
+    outcome = train_client(**arguments, global_reference=global_reference)
+    ledger.stage(outcome.state)
+    worked = time.perf_counter()
+    metrics = {**outcome.metrics, "partition-id": setup.partition_id,
+               **timings(started, working, worked)}
+    content = RecordDict({ARRAYS: to_record(outcome.shared), METRICS: MetricRecord(metrics)})
     upload = message_config(message).get("reference-upload")
     if upload == "explicit" and outcome.reference_change is not None:
         content[REFERENCE_CHANGE] = to_record(outcome.reference_change)
-    ledger.stage(outcome.state)
     return Message(content=content, reply_to=message)
 
 
 @app.evaluate()
 def evaluate(message: Message, context: Context) -> Message:
     """Personalized accuracy on this client's own test split."""
+    started = time.perf_counter()
     setup = ClientSetup.from_message(message, context)
     _, state = setup.load_state(message, context)
-    outcome = evaluate_client(**setup.arguments(message, state))
+    arguments = setup.arguments(message, state)
+    working = time.perf_counter()
+    outcome = evaluate_client(**arguments)
     metrics = MetricRecord({
         "num-examples": outcome.examples,
         "correct": outcome.correct,
         "loss-sum": outcome.loss_sum,
         "accuracy": outcome.accuracy,
         "partition-id": setup.partition_id,
+        **timings(started, working, time.perf_counter()),
     })
     return Message(content=RecordDict({METRICS: metrics}), reply_to=message)
 

@@ -7,12 +7,21 @@ for starting Ray and loading data)::
 
     python scripts/benchmark.py --run-config conf/cpu-cifar100-cnn.toml \\
         --set "data-dir='/path/to/data'" --rounds 3 --clients 10 --client-cpus 1
+
+``--compare`` first runs the same rounds as one plain sequential PyTorch loop in
+this process (``fedspc_app.serial``: no Flower, no Ray, ``--threads`` torch
+threads), then the simulation, and prints both, their ratio, whether their metrics
+agree, and where the simulation's time goes: its clients' setup (parsing the
+message, building the model, loading data and client state) and work (training,
+evaluation, saving state), and what is left (the engine: Ray, message encoding and
+transfer, scheduling).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -22,6 +31,89 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fedspc_app.core.errors import FedSPCError  # noqa: E402
 from fedspc_app.launch import cli  # noqa: E402
+from fedspc_app.launch.runconfig import resolve_run_config  # noqa: E402
+
+COMPARED = ("accuracy", "loss", "train-loss", "train-images")
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
+def print_rounds(rounds: list[dict]) -> None:
+    print(f"{'round':>5} {'seconds':>9} {'train images':>13} {'images/s':>10} "
+          f"{'sent MB':>9} {'recv MB':>9} {'accuracy':>9}")
+    for row in rounds:
+        print(f"{row['round']:>5} {row['round-seconds']:>9.2f} {row['train-images']:>13} "
+              f"{row['images-per-second']:>10.1f} {row['bytes-sent'] / 1e6:>9.2f} "
+              f"{row['bytes-received'] / 1e6:>9.2f} {100 * (row.get('accuracy') or 0):>8.2f}%")
+
+
+def run_plain(run_config: dict, clients: int, threads: int) -> dict:
+    """The plain loop, in this process, on ``threads`` torch threads."""
+    import torch
+
+    from fedspc_app.serial import run_serial
+
+    torch.set_num_threads(threads)
+    _, config = resolve_run_config(run_config)
+    started = time.perf_counter()
+    result = run_serial(config, clients)
+    result["total-seconds"] = time.perf_counter() - started
+    return result
+
+
+def parallel_workers(args: argparse.Namespace) -> int:
+    """How many clients the simulation runs at once on this machine's CPUs."""
+    if args.client_gpus > 0:
+        return max(1, int(1 / args.client_gpus))
+    return max(1, min(args.clients, int((os.cpu_count() or 1) // args.client_cpus)))
+
+
+def print_comparison(plain: dict, flower: list[dict], flower_total: float,
+                     args: argparse.Namespace) -> None:
+    rows = plain["rounds"]
+    print(f"\n{'round':>5} {'plain s':>9} {'flower s':>9} {'ratio':>7}   metrics")
+    for p, f in zip(rows, flower):
+        same = all(p.get(k) == f.get(k) for k in COMPARED)
+        print(f"{p['round']:>5} {p['round-seconds']:>9.2f} {f['round-seconds']:>9.2f} "
+              f"{f['round-seconds'] / p['round-seconds']:>7.3f}   "
+              f"{'identical' if same else 'differ'}")
+    steady_p, steady_f = rows[1:] or rows, flower[1:] or flower
+    plain_s = mean(r["round-seconds"] for r in steady_p)
+    flower_s = mean(r["round-seconds"] for r in steady_f)
+    print(f"steady state (rounds {steady_f[0]['round']}-{steady_f[-1]['round']}): plain "
+          f"{plain_s:.2f} s/round, flower {flower_s:.2f} s/round, ratio "
+          f"{flower_s / plain_s:.3f}")
+    print(f"round 1 over the steady state: plain {rows[0]['round-seconds'] - plain_s:+.2f} s "
+          f"(+ {plain['setup-seconds']:.2f} s loading before it), flower "
+          f"{flower[0]['round-seconds'] - flower_s:+.2f} s")
+    rounded = sum(r["round-seconds"] for r in flower)
+    print(f"outside the rounds: plain {plain['total-seconds'] - sum(r['round-seconds'] for r in rows):.2f} s, "
+          f"flower {flower_total - rounded:.2f} s (SuperLink, flwr run, Ray and the "
+          "ServerApp starting and stopping)")
+
+    workers = parallel_workers(args)
+    print(f"\nwhere the simulation's time goes ({workers} clients at a time; seconds per "
+          "round, mean over the steady rounds, round 1 in brackets):")
+    print(f"{'':24} {'plain':>9} {'flower':>9}   {'client setup':>13} {'client work':>12} "
+          f"{'engine':>8}")
+    for phase in ("train", "evaluate"):
+        def parts(row, phase=phase):
+            wall = row.get(f"{phase}-seconds", 0.0) or 0.0
+            setup = (row.get(f"{phase}-client-setup-seconds", 0.0) or 0.0) / workers
+            work = (row.get(f"{phase}-client-work-seconds", 0.0) or 0.0) / workers
+            return wall, setup, work, wall - setup - work
+        steady = [parts(r) for r in steady_f]
+        first = parts(flower[0])
+        wall, setup, work, engine = (mean(v[i] for v in steady) for i in range(4))
+        plain_phase = mean(r.get(f"{phase}-seconds", 0.0) for r in steady_p)
+        print(f"{phase + ' phase':24} {plain_phase:>9.2f} {wall:>9.2f}   "
+              f"{setup:>6.2f} ({first[1]:.2f}) {work:>5.2f} ({first[2]:.2f}) "
+              f"{engine:>5.2f} ({first[3]:.2f})")
+    print("client setup and work are the clients' own timings divided by the clients "
+          "running at once; engine is the phase's wall time left after them")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_resource_arguments(parser)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--log", help="write the run's output here")
+    parser.add_argument("--compare", action="store_true",
+                        help="also run the same rounds as a plain PyTorch loop and compare")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="torch threads of the plain loop (default: every CPU)")
+    parser.add_argument("--json", help="write both runs' rows to this JSON file")
     args = parser.parse_args(argv)
     try:
         run_config = cli.simulation_overrides(args, **{"num-rounds": args.rounds})
@@ -38,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(tempfile.mkdtemp(prefix="fedspc-bench-"))
     run_config.update({"output-dir": str(out), "run-name": "benchmark"})
+    plain = None
+    if args.compare:
+        plain = run_plain({**run_config, "run-name": "plain"}, args.clients, args.threads)
     started = time.perf_counter()
     code = cli.simulate_once(run_config, args, log_file=Path(args.log) if args.log else None)
     if code:
@@ -45,18 +145,18 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - started
     rounds = json.loads((out / "benchmark" / "metrics.json").read_text())["rounds"]
 
-    print(f"{'round':>5} {'seconds':>9} {'train images':>13} {'images/s':>10} "
-          f"{'sent MB':>9} {'recv MB':>9} {'accuracy':>9}")
-    for row in rounds:
-        print(f"{row['round']:>5} {row['round-seconds']:>9.2f} {row['train-images']:>13} "
-              f"{row['images-per-second']:>10.1f} {row['bytes-sent'] / 1e6:>9.2f} "
-              f"{row['bytes-received'] / 1e6:>9.2f} {100 * (row.get('accuracy') or 0):>8.2f}%")
+    print_rounds(rounds)
     steady = rounds[1:] or rounds
     seconds = sum(r["round-seconds"] for r in steady) / len(steady)
     images = sum(r["train-images"] for r in steady) / len(steady)
     print(f"steady state (rounds {steady[0]['round']}-{steady[-1]['round']}): "
           f"{seconds:.2f} s/round, {images / seconds:.1f} training images/s "
           f"(round time includes evaluation); whole command {total:.1f} s")
+    if plain is not None:
+        print_comparison(plain, rounds, total, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"flower": rounds, "plain": plain,
+                                               "flower-total-seconds": total}, indent=2))
     return 0
 
 

@@ -35,6 +35,21 @@ ACCEPTED_ROUNDS = "accepted-rounds"
 DURABLE_THROUGH = "durable-through"
 RUN_TOKEN = "run-token"  # tells a resumed run's clients from another run's leftovers
 EVALUATION_KEYS = ("num-examples", "correct", "loss-sum", "partition-id")
+# Optional reply metrics: a client's seconds spent on setup and on the work itself;
+# the aggregates sum them over the clients (``client-setup-seconds`` and so on).
+SETUP_SECONDS, WORK_SECONDS = "setup-seconds", "work-seconds"
+TIMINGS = (SETUP_SECONDS, WORK_SECONDS)
+
+
+def summed_timings(metrics: Iterable[MetricRecord]) -> dict[str, float]:
+    """``client-<timing>``: the sum over the replies of each timing they report."""
+    totals = dict.fromkeys(TIMINGS, 0.0)
+    for record in metrics:
+        for key in TIMINGS:
+            value = record.get(key, 0.0)
+            if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
+                totals[key] += float(value)
+    return {f"client-{key}": value for key, value in totals.items()}
 
 
 @dataclass
@@ -281,6 +296,7 @@ class PersonalizedFedAvg(FedAvg):
             "examples-seen": int(sum(int(m.get("examples-seen", 0)) for m in metrics)),
             # Rounds each client has completed, as its persisted state says.
             "min-rounds-trained": int(min(int(m.get("rounds-trained", 0)) for m in metrics)),
+            **summed_timings(metrics),
         })
         return to_record(arrays), summary
 
@@ -309,7 +325,7 @@ class PersonalizedFedAvg(FedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Personalized accuracy (mean over clients), weighted accuracy, per client."""
-        rows, dropped = {}, 0
+        rows, records, dropped = {}, [], 0
         for message in replies:
             reason = self.check_evaluation(message)
             if reason is None:
@@ -320,6 +336,7 @@ class PersonalizedFedAvg(FedAvg):
                 else:
                     rows[partition] = (int(metrics["correct"]), int(metrics["num-examples"]),
                                        float(metrics["loss-sum"]))
+                    records.append(metrics)
                     continue
             dropped += 1
             log(WARNING, "round %d: dropped the evaluation reply of node %d: %s",
@@ -339,4 +356,5 @@ class PersonalizedFedAvg(FedAvg):
             "client-ids": ids,
             "client-accuracy": accuracies,
             "client-examples": [rows[pid][1] for pid in ids],
+            **summed_timings(records),
         })

@@ -9,6 +9,7 @@ strategy hooks it calls are Flower's: configure/aggregate train and evaluate.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from logging import INFO
 
@@ -21,6 +22,11 @@ from strategies.personalized import RoundReport
 
 Trained = Callable[[int, ArrayRecord, MetricRecord | None, RoundReport], None]
 RoundEnd = Callable[[int, MetricRecord | None, MetricRecord | None, RoundReport | None], None]
+
+
+# Wall seconds of a round's training or evaluation phase: from sending the messages
+# to the end of the aggregation.
+PHASE_SECONDS = "phase-seconds"
 
 
 class TooManyFailedRounds(FedSPCError):
@@ -51,10 +57,13 @@ def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
         log(INFO, "[ROUND %d/%d]", server_round, num_rounds)
         train_metrics = resumed_train_metrics
         if not (evaluate_first and server_round == first_round):
+            started = time.perf_counter()
             replies = grid.send_and_receive(
                 strategy.configure_train(server_round, arrays, train_config, grid),
                 timeout=timeout)
             aggregated, train_metrics = strategy.aggregate_train(server_round, replies)
+            if train_metrics is not None:
+                train_metrics[PHASE_SECONDS] = time.perf_counter() - started
             report = strategy.report
             if aggregated is not None:
                 arrays = aggregated
@@ -74,10 +83,13 @@ def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
         evaluate_metrics = None
         if last or server_round % evaluate_every == 0:
             strategy.fraction_evaluate = 1.0 if last else evaluate_fraction
+            started = time.perf_counter()
             replies = grid.send_and_receive(
                 strategy.configure_evaluate(server_round, arrays, evaluate_config, grid),
                 timeout=timeout)
             evaluate_metrics = strategy.aggregate_evaluate(server_round, replies)
+            if evaluate_metrics is not None:
+                evaluate_metrics[PHASE_SECONDS] = time.perf_counter() - started
         if on_round_end is not None:
             on_round_end(server_round, train_metrics, evaluate_metrics, strategy.report)
         evaluate_first = False

@@ -19,6 +19,7 @@ from flwr.app import Context, MessageType, RecordDict
 from inprocess import InProcessGrid
 
 from fedspc_app import client_app, server_app
+from fedspc_app.serial import run_serial
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.datasets import load_dataset
 from fedspc_app.core.methods import METHODS, get_method
@@ -257,3 +258,16 @@ def test_a_failing_client_does_not_stop_the_round_or_commit_state():
     assert grid.state(0)["client-info"]["rounds-trained"] == 2
     metrics = json.loads((OUTPUT / "failing" / "metrics.json").read_text())
     assert [r["train-clients"] for r in metrics["rounds"]] == [2, 2]
+
+
+@pytest.mark.parametrize(("method", "fedspc"), CASES)
+def test_the_plain_loop_computes_what_the_apps_compute(method, fedspc):
+    """fedspc_app.serial (no Flower: the benchmark's baseline) and the apps, every
+    client sampled: the same metrics to the last bit, round by round."""
+    grid, metrics = run_app(method, fedspc)
+    config = parse_run_config(grid.contexts[1].run_config)
+    plain = run_serial(config, NUM_CLIENTS, echo=lambda line: None)["rounds"]
+    keys = ("accuracy", "weighted-accuracy", "loss", "train-loss", "train-images",
+            "client-accuracy")
+    assert [{k: r[k] for k in keys} for r in plain] == \
+        [{k: r[k] for k in keys} for r in metrics["rounds"]]

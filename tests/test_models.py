@@ -302,3 +302,29 @@ def test_classifier_is_whole_model() -> None:
 
     with pytest.raises(ConfigError, match="body empty"):
         split_body_head(Whole())
+
+
+def test_initial_model_is_reset_to_a_fresh_build_after_any_use() -> None:
+    from fedspc_app.core.task import KNOWN_SHAPES, initial_model, make_model
+
+    config = parse_run_config({"model": "cnn", "seed": 4})
+    shape = KNOWN_SHAPES["cifar10"]
+    fresh = make_model(config, shape).state_dict()
+    model = initial_model(config, shape)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()  # leaves gradients
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    next(model.parameters()).requires_grad_(False)
+    model.eval()
+
+    again = initial_model(config, shape)
+    assert again is model  # reset, not rebuilt
+    assert again.training
+    assert all(p.requires_grad and p.grad is None for p in again.parameters())
+    state = again.state_dict()
+    assert all(torch.equal(state[key], fresh[key]) for key in fresh)
+
+    other = initial_model(parse_run_config({"model": "cnn", "seed": 5}), shape)
+    first = next(iter(fresh))
+    assert not torch.equal(other.state_dict()[first], fresh[first])  # another seed: rebuilt

@@ -32,9 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-import timm
 import torch
-from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from fedspc_app.core.config import MODELS
@@ -206,6 +204,8 @@ def _build_cnn(num_classes: int, in_chans: int, image_size: int, vit_embed_dim: 
 def _build_resnet34(
     num_classes: int, in_chans: int, image_size: int, vit_embed_dim: int
 ) -> nn.Module:
+    import timm  # imported when needed: it takes about 1.5 s (torchvision, dynamo)
+
     model = timm.create_model(
         "resnet34", pretrained=False, num_classes=num_classes, in_chans=in_chans
     )
@@ -238,6 +238,8 @@ def _build_vit(num_classes: int, in_chans: int, image_size: int, vit_embed_dim: 
             f"model 'vit' needs image_size divisible by the patch size {VIT_PATCH_SIZE}, "
             f"got {image_size}"
         )
+    from timm.models.vision_transformer import VisionTransformer  # see _build_resnet34
+
     return VisionTransformer(
         img_size=image_size,
         patch_size=VIT_PATCH_SIZE,

@@ -30,12 +30,20 @@ from flwr.serverapp import Grid
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.files import atomic_write
 
+# Where a round's time went (README: Speed): each phase's wall time, and the sums over
+# its clients of their setup and work seconds (``<phase>-<field>`` from the phase's
+# aggregate metric ``<key>``).
+TIMINGS = {"seconds": "phase-seconds", "client-setup-seconds": "client-setup-seconds",
+           "client-work-seconds": "client-work-seconds"}
+TIMING_COLUMNS = tuple(f"{phase}-{field}" for phase in ("train", "evaluate")
+                       for field in TIMINGS)
 CONFIG_JSON, METRICS_JSON, METRICS_CSV, SUMMARY_JSON = (
     "config.json", "metrics.json", "metrics.csv", "summary.json")
 SCALAR_COLUMNS = (
     "round", "accuracy", "weighted-accuracy", "loss", "train-loss", "clients",
     "train-clients", "bytes-sent", "bytes-received", "train-images", "images-per-second",
     "round-seconds", "elapsed-seconds", "failed", "train-dropped", "evaluate-dropped",
+    *TIMING_COLUMNS,
 )
 
 
@@ -228,12 +236,14 @@ class RunRecorder:
             row["train-images"] = int(train.get("examples-seen", 0))
             row["min-rounds-trained"] = int(train.get("min-rounds-trained", 0))
             row["images-per-second"] = round(row["train-images"] / max(seconds, 1e-9), 1)
+            row.update(_timings("train", train))
             if "global-reference-norm" in train:
                 row["global-reference-norm"] = float(train["global-reference-norm"])
         if evaluate is not None:
             for key in ("accuracy", "weighted-accuracy", "loss"):
                 row[key] = _clean(float(evaluate[key]))
             row["clients"] = int(evaluate["clients"])
+            row.update(_timings("evaluate", evaluate))
             row["client-accuracy"] = {
                 str(pid): acc for pid, acc in zip(evaluate["client-ids"],
                                                   evaluate["client-accuracy"])
@@ -291,6 +301,11 @@ class RunRecorder:
                 f"(round {summary['best-round']}); results in {self.run_dir}"
             )
         return summary
+
+
+def _timings(phase: str, metrics: MetricRecord) -> dict[str, float]:
+    return {f"{phase}-{field}": round(float(metrics[key]), 3)
+            for field, key in TIMINGS.items() if key in metrics}
 
 
 def _clean_tree(value: Any) -> Any:
