@@ -9,16 +9,17 @@ strategy hooks it calls are Flower's: configure/aggregate train and evaluate.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from logging import INFO
 
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedspc_app.core.errors import FedSPCError
-from strategies.personalized import RoundReport
+from strategies.personalized import METRICS, TIMINGS, RoundReport
 
 Trained = Callable[[int, ArrayRecord, MetricRecord | None, RoundReport], None]
 RoundEnd = Callable[[int, MetricRecord | None, MetricRecord | None, RoundReport | None], None]
@@ -31,6 +32,61 @@ PHASE_SECONDS = "phase-seconds"
 
 class TooManyFailedRounds(FedSPCError):
     """``max-failed-rounds`` rounds in a row failed."""
+
+
+def expected_seconds(reply: Message) -> float | None:
+    """A client's own seconds for a message (setup + work), from its reply's metrics."""
+    if reply.has_error() or METRICS not in reply.content.metric_records:
+        return None
+    metrics = reply.content.metric_records[METRICS]
+    values = [metrics.get(key) for key in TIMINGS]
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
+        return None
+    return float(sum(values))
+
+
+def record_durations(durations: dict[int, float], replies: Iterable[Message]) -> None:
+    for reply in replies:
+        seconds = expected_seconds(reply)
+        if seconds is not None:
+            durations[reply.metadata.src_node_id] = seconds
+
+
+def exchange(grid: Grid, messages: Iterable[Message], *, timeout: float | None,
+             expected: Mapping[int, float] | None = None, pull_interval: float = 0.1,
+             second_wave_after: float = 0.15) -> list[Message]:
+    """Send ``messages`` and collect their replies until all came or ``timeout`` passed.
+
+    Replies are pulled every ``pull_interval`` seconds (Flower's Grid waits 3 s
+    between pulls in a deployment, which every round paid twice). With ``expected``
+    (a node's seconds for its last message of this kind) the messages go out in two
+    waves: the longer half first, the shorter half ``second_wave_after`` seconds
+    later, so that the simulation engine, which queues the messages it finds in node
+    order, runs the short ones last and no worker idles at the end of the phase while
+    another finishes a long client. A node without a history counts as long.
+    Returns the replies in the order they came.
+    """
+    messages = list(messages)
+    waves = [messages]
+    if expected and len(messages) > 1:
+        ordered = sorted(messages,
+                         key=lambda m: -expected.get(m.metadata.dst_node_id, math.inf))
+        half = (len(ordered) + 1) // 2
+        waves = [ordered[:half], ordered[half:]]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    waiting = set(grid.push_messages(waves[0]))
+    replies: list[Message] = []
+    if len(waves) > 1:
+        time.sleep(second_wave_after)
+        waiting.update(grid.push_messages(waves[1]))
+    while waiting:
+        pulled = list(grid.pull_messages(waiting))
+        replies.extend(pulled)
+        waiting.difference_update(m.metadata.reply_to_message_id for m in pulled)
+        if not waiting or (deadline is not None and time.monotonic() >= deadline):
+            break
+        time.sleep(pull_interval)
+    return replies
 
 
 def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
@@ -52,15 +108,17 @@ def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
     last round, which evaluates every client.
     """
     train_config = train_config if train_config is not None else ConfigRecord()
+    durations: dict[str, dict[int, float]] = {"train": {}, "evaluate": {}}
     evaluate_config = evaluate_config if evaluate_config is not None else ConfigRecord()
     for server_round in range(first_round, num_rounds + 1):
         log(INFO, "[ROUND %d/%d]", server_round, num_rounds)
         train_metrics = resumed_train_metrics
         if not (evaluate_first and server_round == first_round):
             started = time.perf_counter()
-            replies = grid.send_and_receive(
-                strategy.configure_train(server_round, arrays, train_config, grid),
-                timeout=timeout)
+            replies = exchange(
+                grid, strategy.configure_train(server_round, arrays, train_config, grid),
+                timeout=timeout, expected=durations["train"])
+            record_durations(durations["train"], replies)
             aggregated, train_metrics = strategy.aggregate_train(server_round, replies)
             if train_metrics is not None:
                 train_metrics[PHASE_SECONDS] = time.perf_counter() - started
@@ -84,9 +142,11 @@ def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
         if last or server_round % evaluate_every == 0:
             strategy.fraction_evaluate = 1.0 if last else evaluate_fraction
             started = time.perf_counter()
-            replies = grid.send_and_receive(
-                strategy.configure_evaluate(server_round, arrays, evaluate_config, grid),
-                timeout=timeout)
+            replies = exchange(
+                grid, strategy.configure_evaluate(server_round, arrays, evaluate_config,
+                                                  grid),
+                timeout=timeout, expected=durations["evaluate"])
+            record_durations(durations["evaluate"], replies)
             evaluate_metrics = strategy.aggregate_evaluate(server_round, replies)
             if evaluate_metrics is not None:
                 evaluate_metrics[PHASE_SECONDS] = time.perf_counter() - started

@@ -43,6 +43,7 @@ class InProcessGrid(Grid):
         self.sent: list[Message] = []
         self.replies: list[Message] = []
         self.fail_nodes: set[int] = set()
+        self.unread: dict[str, Message] = {}
         self._ids = itertools.count(1)
 
     # The Grid interface -------------------------------------------------------
@@ -61,20 +62,24 @@ class InProcessGrid(Grid):
         return list(self.contexts)
 
     def push_messages(self, messages):
-        raise NotImplementedError("use send_and_receive")
-
-    def pull_messages(self, message_ids):
-        raise NotImplementedError("use send_and_receive")
-
-    def send_and_receive(self, messages, *, timeout=None):
-        replies = []
+        """Deliver each message at once; its reply waits for :meth:`pull_messages`."""
+        ids = []
         for message in messages:
             message = copy.deepcopy(message)
-            message.metadata.__dict__["_message_id"] = f"m{next(self._ids)}"
+            message_id = f"m{next(self._ids)}"
+            message.metadata.__dict__["_message_id"] = message_id
             self.sent.append(message)
-            replies.append(self.deliver(message))
-        self.replies.extend(replies)
-        return copy.deepcopy(replies)
+            reply = self.deliver(message)
+            self.replies.append(reply)
+            self.unread[message_id] = copy.deepcopy(reply)
+            ids.append(message_id)
+        return ids
+
+    def pull_messages(self, message_ids):
+        return [self.unread.pop(i) for i in list(message_ids) if i in self.unread]
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return self.pull_messages(self.push_messages(messages))
 
     # -------------------------------------------------------------------------
     def deliver(self, message: Message) -> Message:

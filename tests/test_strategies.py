@@ -20,7 +20,6 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
-from flwr.supercore.task_identity import TaskIdentity
 
 from strategies import FedSPC, PersonalizedFedAvg, mean_arrays
 
@@ -31,15 +30,7 @@ _ids = itertools.count(1)
 
 
 # ------------------------------------------------------------------ helpers
-@pytest.fixture(autouse=True)
-def task_identity():
-    """Let ``Message(...)`` be constructed outside a running Flower app."""
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id = 1
-    TaskIdentity.node_id = 0
-    TaskIdentity.task_id = 1
-    yield
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = saved
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 class FakeGrid:
