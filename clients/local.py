@@ -178,6 +178,8 @@ def train_client(
                 weight_decay=config.weight_decay,
                 hooks=hooks,
                 loss_fn=loss_fn,
+                precision=config.precision,
+                channels_last=config.channels_last,
             )
         except DivergenceError as error:
             raise DivergenceError(f"client {partition_id} diverged in round {server_round} "
@@ -254,6 +256,10 @@ def evaluate_client(
             learning_rate=config.learning_rate,
             momentum=config.momentum,
             weight_decay=config.weight_decay,
+            precision=config.precision,
+            channels_last=config.channels_last,
         )
-    correct, examples, loss_sum = evaluate_model(model, data.batches("test")())
+    correct, examples, loss_sum = evaluate_model(model, data.batches("test")(),
+                                                 precision=config.precision,
+                                                 channels_last=config.channels_last)
     return EvaluateOutcome(correct, examples, loss_sum)

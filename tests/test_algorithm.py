@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Message, MessageType, MetricRecord, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 
 from clients import ClientState, train_client
@@ -154,11 +153,6 @@ def test_fedspc_client_round_two_applies_the_correction_by_hand():
     assert scalar(out.state.local_reference, "body.weight") == pytest.approx(expected_u,
                                                                             abs=1e-4)
     assert out.state.rounds_trained == 1
-
-
-@pytest.fixture
-def task_identity():
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
 
 
 def reply(outcome, node_id: int) -> Message:

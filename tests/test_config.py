@@ -185,6 +185,7 @@ CHOICES = {
     "aggregation": ["mean", "weighted"],
     "augment": ["auto", "none", "crop-flip"],
     "device": ["auto", "cpu", "cuda"],
+    "precision": ["fp32", "bf16"],
     "fedspc-upload": ["derived", "explicit"],
     "fedbabu-finetune-parts": ["all", "head"],
 }

@@ -23,6 +23,7 @@ DATASETS = ("digits", "cifar10", "cifar100", "tinyimagenet")
 MODELS = ("cnn", "resnet34", "vgg11", "vit")
 AGGREGATIONS = ("mean", "weighted")
 AUGMENTS = ("auto", "none", "crop-flip")
+PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 REFERENCE_UPLOADS = ("derived", "explicit")
 FINETUNE_PARTS = ("all", "head")
@@ -85,6 +86,9 @@ class RunConfig:
     weight_decay: float = 0.0
     augment: str = "auto"
     device: str = "auto"
+    precision: str = "fp32"
+    channels_last: bool = False
+    flush_denormal: bool = True
 
     # Method options
     proximal_mu: float = 0.01
@@ -210,6 +214,7 @@ def validate(config: RunConfig) -> RunConfig:
     _choice("aggregation", config.aggregation, AGGREGATIONS)
     _choice("augment", config.augment, AUGMENTS)
     _choice("device", config.device, DEVICES)
+    _choice("precision", config.precision, PRECISIONS)
     _choice("fedspc-upload", config.fedspc_upload, REFERENCE_UPLOADS)
     _choice("fedbabu-finetune-parts", config.fedbabu_finetune_parts, FINETUNE_PARTS)
     _at_least("alpha", config.alpha, 0.0, strict=True)

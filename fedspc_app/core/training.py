@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedspc_app.core.config import PRECISIONS
 from fedspc_app.core.errors import DivergenceError
 
 Batches = Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]]
@@ -103,6 +104,8 @@ def train_epochs(
     weight_decay: float = 0.0,
     hooks: Iterable[GradientHook] = (),
     loss_fn: LossFn = F.cross_entropy,
+    precision: str = "fp32",
+    channels_last: bool = False,
 ) -> EpochsResult:
     """Train ``model`` for ``epochs`` passes with SGD on the ``trainable`` parameters.
 
@@ -112,9 +115,12 @@ def train_epochs(
 
     Returns the number of optimizer steps taken, the examples seen and the summed
     (data) loss. ``loss_fn`` must return the mean loss of a batch. A non-finite loss
-    (checked every step) or trainable parameter (checked after every epoch) raises
-    :class:`DivergenceError` naming the step; a non-finite gradient shows up as one
-    of the two.
+    or trainable parameter raises :class:`DivergenceError` naming the first bad step;
+    both are checked after every epoch, so that the device is not waited on at every
+    step; a non-finite gradient shows up as one of the two. ``precision`` ``bf16``
+    runs the forward pass and the loss under bfloat16 autocast (the parameters, their
+    gradients and the optimizer stay float32); ``channels_last`` stores the model's
+    and the images' 4-d tensors channels-last (faster convolutions on GPUs).
     """
     named = dict(model.named_parameters())
     trainable = set(trainable)
@@ -136,20 +142,29 @@ def train_epochs(
             weight_decay=weight_decay,
         )
         model.train()
+        memory_format = _memory_format(model, channels_last)
         for epoch in range(epochs):
+            losses, sizes = [], []
             for images, labels in batches():
-                loss = loss_fn(model(images), labels)
+                if memory_format is not None:
+                    images = images.contiguous(memory_format=memory_format)
+                with autocast(images.device, precision):
+                    loss = loss_fn(model(images), labels)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 for hook in hooks:
                     hook(named)
                 optimizer.step()
+                losses.append(loss.detach())
+                sizes.append(labels.shape[0])
+            # One read of the epoch's losses (a read per step would wait for the GPU).
+            values = torch.stack(losses).float().tolist() if losses else []
+            for value, size in zip(values, sizes):
                 steps += 1
-                value = loss.item()
                 if not math.isfinite(value):
                     raise DivergenceError(f"loss {value} at step {steps}")
-                examples += labels.shape[0]
-                loss_sum += value * labels.shape[0]
+                examples += size
+                loss_sum += value * size
             _check_finite(named, trainable, f"after epoch {epoch + 1} (step {steps})")
     finally:
         for name, parameter in named.items():
@@ -164,15 +179,37 @@ def _check_finite(named: Mapping[str, nn.Parameter], keys: Iterable[str], when: 
             raise DivergenceError(f"parameter {name!r} is not finite {when}")
 
 
+def autocast(device: torch.device, precision: str):
+    """bfloat16 autocast for ``precision = bf16``; a no-op for ``fp32``."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16,
+                          enabled=precision == "bf16")
+
+
+def _memory_format(model: nn.Module, channels_last: bool) -> torch.memory_format | None:
+    """Convert ``model`` to channels-last when asked; the images' format, or None."""
+    if not channels_last:
+        return None
+    model.to(memory_format=torch.channels_last)
+    return torch.channels_last
+
+
 @torch.no_grad()
 def evaluate_model(
-    model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
+    model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
+    precision: str = "fp32", channels_last: bool = False,
 ) -> tuple[int, int, float]:
     """Return (correct, examples, summed cross-entropy loss) of ``model``."""
     model.eval()
+    memory_format = _memory_format(model, channels_last)
     correct, examples, loss_sum = 0, 0, 0.0
     for images, labels in batches:
-        logits = model(images)
+        if memory_format is not None:
+            images = images.contiguous(memory_format=memory_format)
+        with autocast(images.device, precision):
+            logits = model(images)
+        logits = logits.float()
         loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
         correct += (logits.argmax(dim=1) == labels).sum().item()
         examples += labels.shape[0]

@@ -81,11 +81,13 @@ def train_centralized(config: RunConfig, *, epochs: int = 200, learning_rate: fl
         make_model,
         resolve_device,
         seeded_generator,
+        set_numerics,
         use_augmentation,
     )
     from fedspc_app.core.training import evaluate_model, train_epochs
 
     config = config.replace(learning_rate=learning_rate)
+    set_numerics(config)
     dataset = load_run_dataset(config)
     device = resolve_device(config)
     model = make_model(config, dataset).to(device)
@@ -119,13 +121,16 @@ def train_centralized(config: RunConfig, *, epochs: int = 200, learning_rate: fl
         rate = epoch_learning_rate(learning_rate, epoch, epochs, lr_schedule)
         result = train_epochs(model, train_batches, epochs=1, trainable=trainable,
                               learning_rate=rate, momentum=config.momentum,
-                              weight_decay=config.weight_decay)
+                              weight_decay=config.weight_decay, precision=config.precision,
+                              channels_last=config.channels_last)
         if epoch % eval_every and epoch != epochs:
             continue
         test_batches = iterate_batches(dataset, "test", test_indices,
                                        batch_size=max(config.batch_size, 256), shuffle=False,
                                        augment=False, generator=None, device=device)
-        correct, examples, loss_sum = evaluate_model(model, test_batches)
+        correct, examples, loss_sum = evaluate_model(model, test_batches,
+                                                     precision=config.precision,
+                                                     channels_last=config.channels_last)
         now = time.perf_counter()
         row = {"epoch": epoch, "accuracy": correct / examples, "loss": loss_sum / examples,
                "train-loss": result.mean_loss, "learning-rate": rate,

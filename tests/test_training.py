@@ -1,0 +1,104 @@
+"""The one training loop: divergence guard, bfloat16 autocast, channels-last."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fedspc_app.core.errors import DivergenceError
+from fedspc_app.core.models import build_model
+from fedspc_app.core.training import evaluate_model, train_epochs
+
+
+def batches(count: int = 6, size: int = 8, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    data = [(torch.randn(size, 3, 32, 32, generator=generator),
+             torch.randint(0, 10, (size,), generator=generator)) for _ in range(count)]
+    return lambda: iter(data)
+
+
+def model() -> nn.Module:
+    return build_model("cnn", num_classes=10, in_chans=3, image_size=32, seed=1)
+
+
+def train(net: nn.Module, **options):
+    trainable = [name for name, _ in net.named_parameters()]
+    return train_epochs(net, batches(), epochs=2, trainable=trainable, learning_rate=0.05,
+                        **options)
+
+
+def test_the_losses_are_read_per_epoch_and_summed_in_step_order():
+    net = model()
+    result = train(net)
+    assert (result.steps, result.examples) == (12, 96)
+    # Recompute the same steps reading each loss at once: the same sum, bit for bit.
+    again, losses = model(), []
+    optimizer = torch.optim.SGD(again.parameters(), lr=0.05)
+    again.train()
+    for _ in range(2):
+        for images, labels in batches()():
+            loss = nn.functional.cross_entropy(again(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item() * labels.shape[0])
+    total = 0.0
+    for value in losses:
+        total += value
+    assert result.loss_sum == total
+
+
+def test_a_non_finite_loss_names_its_step():
+    net = model()
+    poisoned = list(batches()())
+    poisoned[3] = (torch.full_like(poisoned[3][0], float("nan")), poisoned[3][1])
+    with pytest.raises(DivergenceError, match="at step 4"):
+        train_epochs(net, lambda: iter(poisoned), epochs=1,
+                     trainable=[n for n, _ in net.named_parameters()], learning_rate=0.05)
+
+
+def test_bf16_autocast_trains_close_to_fp32_and_keeps_float32_parameters():
+    reference = train(model())
+    net = model()
+    result = train(net, precision="bf16")
+    assert result.loss_sum != reference.loss_sum  # the forward really ran in bfloat16
+    assert result.loss_sum == pytest.approx(reference.loss_sum, rel=0.05)
+    assert all(p.dtype == torch.float32 for p in net.parameters())
+    correct, examples, loss_sum = evaluate_model(net, batches()(), precision="bf16")
+    assert examples == 48 and 0 <= correct <= examples and loss_sum > 0
+
+
+def test_channels_last_gives_the_fp32_result_and_converts_the_model():
+    reference_net = model()
+    reference = train(reference_net)
+    net = model()
+    result = train(net, channels_last=True)
+    assert result.loss_sum == pytest.approx(reference.loss_sum, rel=1e-4)
+    conv = next(p for p in net.parameters() if p.dim() == 4)
+    assert conv.is_contiguous(memory_format=torch.channels_last)
+    for a, b in zip(net.parameters(), reference_net.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_an_unknown_precision_is_refused():
+    with pytest.raises(ValueError, match="precision"):
+        train(model(), precision="fp16")
+
+
+def flushing() -> bool:
+    return (torch.tensor([1e-39]) * 1.0).item() == 0.0
+
+
+def test_flush_denormal_makes_subnormal_floats_zero():
+    from fedspc_app.core.config import parse_run_config
+    from fedspc_app.core.task import set_numerics
+
+    before = flushing()
+    try:
+        set_numerics(parse_run_config({"flush-denormal": True}))
+        assert flushing()
+        set_numerics(parse_run_config({"flush-denormal": False}))
+        assert not flushing()
+    finally:
+        torch.set_flush_denormal(before)
