@@ -152,12 +152,16 @@ def make_model(config: RunConfig, dataset: ImageDataset | DatasetShape) -> nn.Mo
     )
 
 
+@dataclass
 class _InitialModel:
     """One built model per process and its initial entries, to reset it from."""
 
     key: tuple | None = None
     model: nn.Module | None = None
-    initial: dict[str, torch.Tensor] = {}
+    initial: dict[str, torch.Tensor] | None = None
+
+
+_INITIAL = _InitialModel()
 
 
 def initial_model(config: RunConfig, dataset: ImageDataset | DatasetShape) -> nn.Module:
@@ -171,8 +175,8 @@ def initial_model(config: RunConfig, dataset: ImageDataset | DatasetShape) -> nn
     """
     key = (config.model, dataset.num_classes, dataset.in_chans, dataset.image_size,
            config.seed, config.vit_embed_dim)
-    cache = _InitialModel
-    if cache.key != key or cache.model is None:
+    cache = _INITIAL
+    if cache.key != key or cache.model is None or cache.initial is None:
         cache.key, cache.model = None, None  # a failed build leaves no stale model
         model = make_model(config, dataset)
         cache.initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
