@@ -32,7 +32,6 @@ from fedspc_app.core.task import (
     initial_model,
     load_partition,
     parameter_split,
-    set_numerics,
     to_record,
 )
 from strategies.fedspc import GLOBAL_REFERENCE, REFERENCE_CHANGE
@@ -136,7 +135,6 @@ class ClientSetup:
     def from_message(cls, message: Message, context: Context) -> "ClientSetup":
         config = node_run_config(context)
         method = get_method(config.method)
-        set_numerics(config)
         partition_id, num_partitions = node_partition(message, context)
         data = client_data(config, partition_id, num_partitions)
         model = initial_model(config, data.dataset)

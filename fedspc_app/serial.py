@@ -30,7 +30,6 @@ from fedspc_app.core.task import (
     load_run_dataset,
     make_model,
     parameter_split,
-    set_numerics,
     state_arrays,
 )
 from strategies.personalized import mean_arrays
@@ -53,7 +52,6 @@ def run_serial(config: RunConfig, num_clients: int,
     ``evaluate-seconds``).
     """
     started = time.perf_counter()
-    set_numerics(config)
     method = get_method(config.method)
     dataset = load_run_dataset(config)
     load_partition(config, num_clients)

@@ -85,20 +85,3 @@ def test_an_unknown_precision_is_refused():
     with pytest.raises(ValueError, match="precision"):
         train(model(), precision="fp16")
 
-
-def flushing() -> bool:
-    return (torch.tensor([1e-39]) * 1.0).item() == 0.0
-
-
-def test_flush_denormal_makes_subnormal_floats_zero():
-    from fedspc_app.core.config import parse_run_config
-    from fedspc_app.core.task import set_numerics
-
-    before = flushing()
-    try:
-        set_numerics(parse_run_config({"flush-denormal": True}))
-        assert flushing()
-        set_numerics(parse_run_config({"flush-denormal": False}))
-        assert not flushing()
-    finally:
-        torch.set_flush_denormal(before)

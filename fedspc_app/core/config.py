@@ -88,7 +88,6 @@ class RunConfig:
     device: str = "auto"
     precision: str = "fp32"
     channels_last: bool = False
-    flush_denormal: bool = True
 
     # Method options
     proximal_mu: float = 0.01

@@ -233,14 +233,6 @@ def resolve_device(config: RunConfig) -> torch.device:
     return torch.device(config.device)
 
 
-def set_numerics(config: RunConfig) -> None:
-    """Process-wide float settings of a training process: with ``flush-denormal``
-    the CPU treats subnormal floats (below about 1.2e-38) as zero. Without it, the
-    subnormal values that appear as a model trains slow every CPU kernel that meets
-    them, and a long run slows down round after round."""
-    torch.set_flush_denormal(bool(config.flush_denormal))
-
-
 def use_augmentation(config: RunConfig, dataset: ImageDataset) -> bool:
     """``augment = auto`` follows the dataset (crop+flip for natural images)."""
     if config.augment == "auto":

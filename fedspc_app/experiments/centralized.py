@@ -81,13 +81,11 @@ def train_centralized(config: RunConfig, *, epochs: int = 200, learning_rate: fl
         make_model,
         resolve_device,
         seeded_generator,
-        set_numerics,
         use_augmentation,
     )
     from fedspc_app.core.training import evaluate_model, train_epochs
 
     config = config.replace(learning_rate=learning_rate)
-    set_numerics(config)
     dataset = load_run_dataset(config)
     device = resolve_device(config)
     model = make_model(config, dataset).to(device)
