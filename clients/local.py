@@ -80,6 +80,10 @@ class EvaluateOutcome:
         return self.correct / self.examples if self.examples else float("nan")
 
 
+# Reply metrics of ``evaluate-before-aggregation``.
+LOCAL_CORRECT, LOCAL_EXAMPLES = "local-correct", "local-examples"
+
+
 def uses_control_variates(method: Method, config: RunConfig) -> bool:
     """SCAFFOLD always; any other method when ``fedspc = true``."""
     return method.control_variates or config.fedspc
@@ -191,6 +195,13 @@ def train_client(
             examples_seen += result.examples
 
     final_shared = state_arrays(model, split.shared)
+    local = {}
+    if config.evaluate_before_aggregation and not method.personal_model:
+        # The model this client trained (its shared block before the server's averaging).
+        correct, examples, _ = evaluate_model(model, data.batches("test")(),
+                                              precision=config.precision,
+                                              channels_last=config.channels_last)
+        local = {LOCAL_CORRECT: int(correct), LOCAL_EXAMPLES: int(examples)}
     change = None
     new_reference = None
     if correct_shared:
@@ -216,6 +227,7 @@ def train_client(
         "shared-steps": int(shared_steps),
         "examples-seen": int(examples_seen),
         "rounds-trained": new_state.rounds_trained,
+        **local,
     }
     return TrainOutcome(final_shared, new_state, shared_steps, change, metrics)
 

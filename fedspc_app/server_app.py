@@ -48,6 +48,7 @@ def build_strategy(config: RunConfig, method: Method, split: ParameterSplit,
         min_available_nodes=num_clients,
         num_partitions=num_clients,
         min_train_replies=config.min_train_replies,
+        drift_keys=split.corrected,
     )
     if method.control_variates or config.fedspc:
         return FedSPC(strategy, corrected_keys=split.corrected,

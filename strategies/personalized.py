@@ -27,6 +27,7 @@ from flwr.supercore import log
 
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.task import ArrayDict, from_record, to_record
+from strategies.drift import drift_statistics
 
 ARRAYS = "arrays"
 METRICS = "metrics"
@@ -39,6 +40,24 @@ EVALUATION_KEYS = ("num-examples", "correct", "loss-sum", "partition-id")
 # the aggregates sum them over the clients (``client-setup-seconds`` and so on).
 SETUP_SECONDS, WORK_SECONDS = "setup-seconds", "work-seconds"
 TIMINGS = (SETUP_SECONDS, WORK_SECONDS)
+
+
+# Reply metrics of clients that evaluate their trained model before replying
+# (run-config evaluate-before-aggregation).
+LOCAL_CORRECT, LOCAL_EXAMPLES = "local-correct", "local-examples"
+
+
+def accuracy_before_aggregation(metrics: Sequence[MetricRecord]) -> dict[str, float | list]:
+    """The mean over clients, and each client's, accuracy of its locally trained model
+    (empty unless every reply reports one)."""
+    usable = [m for m in metrics
+              if isinstance(m.get(LOCAL_CORRECT), int) and isinstance(m.get(LOCAL_EXAMPLES), int)
+              and 0 <= m[LOCAL_CORRECT] <= m[LOCAL_EXAMPLES] and m[LOCAL_EXAMPLES] > 0]
+    if not metrics or len(usable) != len(metrics):
+        return {}
+    accuracies = [m[LOCAL_CORRECT] / m[LOCAL_EXAMPLES] for m in usable]
+    return {"accuracy-before-aggregation": float(np.mean(accuracies)),
+            "client-accuracy-before-aggregation": accuracies}
 
 
 def summed_timings(metrics: Iterable[MetricRecord]) -> dict[str, float]:
@@ -108,6 +127,9 @@ class PersonalizedFedAvg(FedAvg):
         Fraction of the sampled clients whose usable replies a round needs; a
         round with fewer fails and leaves the shared block unchanged (at least
         one usable reply is always needed).
+    drift_keys : Sequence[str] | None (default: the floating-point shared keys)
+        Keys the drift diagnostics of each round cover (see :mod:`strategies.drift`);
+        the ServerApp passes the shared trainable parameters.
     """
 
     def __init__(
@@ -119,6 +141,7 @@ class PersonalizedFedAvg(FedAvg):
         min_available_nodes: int = 2,
         num_partitions: int = 0,
         min_train_replies: float = 0.0,
+        drift_keys: Sequence[str] | None = None,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train,
@@ -130,6 +153,7 @@ class PersonalizedFedAvg(FedAvg):
         if aggregation not in ("mean", "weighted"):
             raise ValueError(f"aggregation must be 'mean' or 'weighted', got {aggregation!r}")
         self.shared_keys = tuple(shared_keys)
+        self.drift_keys = None if drift_keys is None else tuple(drift_keys)
         self.aggregation = aggregation
         self.num_partitions = num_partitions or min_available_nodes
         self.min_train_replies = min_train_replies
@@ -288,6 +312,12 @@ class PersonalizedFedAvg(FedAvg):
         else:
             weights = [1.0] * len(updates)
         arrays = mean_arrays(updates, weights)
+        drift = {}
+        if self.broadcast is not None:
+            keys = self.drift_keys if self.drift_keys is not None else tuple(
+                k for k in self.shared_keys if np.issubdtype(self.broadcast[k].dtype,
+                                                             np.floating))
+            drift = drift_statistics(self.broadcast, updates, weights, keys)
         losses = [float(m["train-loss"]) for m in metrics if "train-loss" in m]
         summary = MetricRecord({
             "clients": len(accepted),
@@ -296,7 +326,10 @@ class PersonalizedFedAvg(FedAvg):
             "examples-seen": int(sum(int(m.get("examples-seen", 0)) for m in metrics)),
             # Rounds each client has completed, as its persisted state says.
             "min-rounds-trained": int(min(int(m.get("rounds-trained", 0)) for m in metrics)),
+            "train-client-ids": [int(m["partition-id"]) for m in metrics],
             **summed_timings(metrics),
+            **drift,
+            **accuracy_before_aggregation(metrics),
         })
         return to_record(arrays), summary
 

@@ -31,17 +31,18 @@ FORBIDDEN_RECORDS = {"personal", "local-reference", "personal-model", "client-in
 
 
 @functools.lru_cache(maxsize=None)
-def run_app(method: str, fedspc: bool, **overrides) -> tuple[InProcessGrid, dict]:
+def run_app(method: str, fedspc: bool, clients: int = NUM_CLIENTS,
+            **overrides) -> tuple[InProcessGrid, dict]:
     """Run two rounds of ``method`` on digits; cached per argument set."""
     run_config = {
         "method": method, "fedspc": fedspc, "num-rounds": 2, "local-epochs": 1,
         "ditto-personal-epochs": 1, "batch-size": 64, "alpha": 0.5,
         "output-dir": str(OUTPUT), "checkpoint": False,  # client state in context.state
-        "run-name": f"{method}-{fedspc}-" + "-".join(f"{k}{v}" for k, v in
-                                                     sorted(overrides.items())),
+        "run-name": f"{method}-{fedspc}-k{clients}-" + "-".join(
+            f"{k}{v}" for k, v in sorted(overrides.items())),
         **{key.replace("_", "-"): value for key, value in overrides.items()},
     }
-    grid = InProcessGrid(client_app.app, NUM_CLIENTS, run_config)
+    grid = InProcessGrid(client_app.app, clients, run_config)
     server_app.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
                                   run_config=run_config))
     run_dir = OUTPUT / run_config["run-name"]
@@ -271,3 +272,16 @@ def test_the_plain_loop_computes_what_the_apps_compute(method, fedspc):
             "client-accuracy")
     assert [{k: r[k] for k in keys} for r in plain] == \
         [{k: r[k] for k in keys} for r in metrics["rounds"]]
+
+
+@pytest.mark.parametrize("method", ["fedrep", "lgfedavg"])
+def test_accuracy_before_aggregation_is_the_trained_model_of_each_client(method):
+    """With one client the average is its own shared block, so the accuracy before
+    aggregation must equal the one after; with three it is reported per client."""
+    _, alone = run_app(method, True, clients=1, evaluate_before_aggregation=True)
+    for row in alone["rounds"]:
+        assert row["accuracy-before-aggregation"] == row["accuracy"]
+    _, metrics = run_app(method, True, evaluate_before_aggregation=True)
+    row = metrics["rounds"][-1]
+    assert set(row["client-accuracy-before-aggregation"]) == {"0", "1", "2"}
+    assert row["accuracy-before-aggregation"] != row["accuracy"]

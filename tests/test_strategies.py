@@ -120,6 +120,18 @@ def test_unweighted_mean_is_the_default():
     assert metrics["train-loss"] == pytest.approx(2.0)
 
 
+def test_train_metrics_carry_the_drift_diagnostics_by_hand():
+    server = strategy()  # broadcast SHARED; drift over the float keys W and B
+    _, metrics = server.aggregate_train(1, [
+        reply(GOOD_A, node=1, **{"num-examples": 10}),
+        reply(GOOD_B, node=2, **{"num-examples": 30})])
+    # Delta_A = (0, 0, 0 | 0.5), Delta_B = (2, 2, 4 | 1.5), m = (1, 1, 2 | 1)
+    assert metrics["update-norm"] == pytest.approx(7 ** 0.5)
+    assert metrics["client-update-norm"] == pytest.approx((0.5 + 26.25 ** 0.5) / 2)
+    assert metrics["drift-dispersion"] == pytest.approx(6.25 / 7)
+    assert list(metrics["train-client-ids"]) == [0, 1]
+
+
 def test_weighted_mean_uses_num_examples():
     # Prepare
     server = strategy(aggregation="weighted")

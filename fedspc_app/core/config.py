@@ -71,6 +71,7 @@ class RunConfig:
     aggregation: str = "mean"
     evaluate_every: int = 1
     evaluate_fraction: float = 1.0
+    evaluate_before_aggregation: bool = False
 
     # Partitioning (the paper's Dirichlet label skew)
     alpha: float = 0.1

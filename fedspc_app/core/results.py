@@ -37,13 +37,17 @@ TIMINGS = {"seconds": "phase-seconds", "client-setup-seconds": "client-setup-sec
            "client-work-seconds": "client-work-seconds"}
 TIMING_COLUMNS = tuple(f"{phase}-{field}" for phase in ("train", "evaluate")
                        for field in TIMINGS)
+# The drift diagnostics of a round's training replies (strategies/drift.py): scalars,
+# and per client (keyed by partition id in metrics.json).
+DRIFT_COLUMNS = ("update-norm", "client-update-norm", "drift-dispersion", "update-cosine")
+DRIFT_PER_CLIENT = ("client-update-norms", "client-update-cosines")
 CONFIG_JSON, METRICS_JSON, METRICS_CSV, SUMMARY_JSON = (
     "config.json", "metrics.json", "metrics.csv", "summary.json")
 SCALAR_COLUMNS = (
     "round", "accuracy", "weighted-accuracy", "loss", "train-loss", "clients",
     "train-clients", "bytes-sent", "bytes-received", "train-images", "images-per-second",
     "round-seconds", "elapsed-seconds", "failed", "train-dropped", "evaluate-dropped",
-    *TIMING_COLUMNS,
+    *DRIFT_COLUMNS, "global-reference-norm", "accuracy-before-aggregation", *TIMING_COLUMNS,
 )
 
 
@@ -237,6 +241,16 @@ class RunRecorder:
             row["min-rounds-trained"] = int(train.get("min-rounds-trained", 0))
             row["images-per-second"] = round(row["train-images"] / max(seconds, 1e-9), 1)
             row.update(_timings("train", train))
+            for key in DRIFT_COLUMNS:
+                if key in train:
+                    row[key] = _clean(float(train[key]))
+            if "accuracy-before-aggregation" in train:
+                row["accuracy-before-aggregation"] = _clean(
+                    float(train["accuracy-before-aggregation"]))
+            ids = [str(i) for i in train.get("train-client-ids", [])]
+            for key in (*DRIFT_PER_CLIENT, "client-accuracy-before-aggregation"):
+                if key in train and ids:
+                    row[key] = {i: _clean(float(v)) for i, v in zip(ids, train[key])}
             if "global-reference-norm" in train:
                 row["global-reference-norm"] = float(train["global-reference-norm"])
         if evaluate is not None:

@@ -92,6 +92,51 @@ def plot_curves(records: Sequence[ResultRecord], setting: str, alpha: float,
     return save_figure(fig, Path(path))
 
 
+DRIFT_PANELS = (
+    ("drift-dispersion", "Drift dispersion", True),
+    ("update-cosine", "Mean cosine to the mean update", False),
+    ("update-norm", "Norm of the mean update", True),
+    ("global-reference-norm", "Norm of ū (FedSPC)", False),
+)
+
+
+def plot_drift(records: Sequence[ResultRecord], setting: str, alpha: float,
+               path: str | Path) -> Path | None:
+    """The drift diagnostics per round (rows) for each method (columns) of one
+    (setting, α), base and +FedSPC; means over seeds. None without any recorded."""
+    from matplotlib.figure import Figure
+
+    chosen = [r for r in records if r.kind == FEDERATED and r.setting == setting
+              and same_alpha(r.alpha, alpha) and r.series]
+    methods = methods_of(chosen)
+    if not methods:
+        return None
+    fig = Figure(figsize=(3.2 * len(methods), 2.6 * len(DRIFT_PANELS)), layout="constrained")
+    axes = fig.subplots(len(DRIFT_PANELS), len(methods), squeeze=False)
+    for col, method in enumerate(methods):
+        for row, (key, label, log_scale) in enumerate(DRIFT_PANELS):
+            ax = axes[row][col]
+            for fedspc, colour, name in ((False, "C0", "Base"), (True, "C1", "+FedSPC")):
+                steps, mean, _ = mean_curve((r for r in chosen if r.method == method
+                                             and r.fedspc == fedspc), series=key)
+                if steps:
+                    ax.plot(steps, mean, color=colour, label=name,
+                            marker="." if len(steps) < 30 else None)
+            if log_scale and ax.lines:
+                ax.set_yscale("log")
+            if row == 0:
+                ax.set_title(display_method(method))
+            if col == 0:
+                ax.set_ylabel(label, fontsize=8)
+            if row == len(DRIFT_PANELS) - 1:
+                ax.set_xlabel("Round")
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=7)
+    fig.suptitle(f"Client drift on the shared block: {setting}, α = {alpha_text(alpha)}")
+    return save_figure(fig, Path(path))
+
+
 def plot_deltas(records: Sequence[ResultRecord], path: str | Path) -> Path | None:
     """Bar chart of Δ (+FedSPC − Base, points) per method and α, one panel per
     setting; None when no Δ can be computed yet."""

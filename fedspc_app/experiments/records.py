@@ -12,14 +12,17 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fedspc_app.core.errors import DataError
+from fedspc_app.core.results import DRIFT_COLUMNS
 from fedspc_app.experiments.layout import GRID_JSON, read_failures, read_json
 
 MISSING = "—"
+# Per-round metrics a record keeps besides accuracy (the drift figure's).
+SERIES = (*DRIFT_COLUMNS, "global-reference-norm")
 METHOD_NAMES = {
     "fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD", "ditto": "Ditto",
     "fedbabu": "FedBABU", "fedrep": "FedRep", "lgfedavg": "LG-FedAvg", "fedper": "FedPer",
@@ -57,6 +60,7 @@ class ResultRecord:
     wall_seconds: float | None = None
     curve: tuple[tuple[int, float], ...] = ()
     run_dir: Path | None = None
+    series: Mapping[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -98,6 +102,10 @@ def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
     rows = metrics.get("epochs" if kind == CENTRALIZED else "rounds") or []
     curve = tuple((int(r[step]), float(r["accuracy"])) for r in rows
                   if isinstance(r, dict) and isinstance(r.get("accuracy"), (int, float)))
+    series = {key: points for key in SERIES
+              if (points := tuple((int(r[step]), float(r[key])) for r in rows
+                                  if isinstance(r, dict)
+                                  and isinstance(r.get(key), (int, float))))}
 
     if summary.get("complete") is True:
         status = "complete"
@@ -137,6 +145,7 @@ def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
         wall_seconds=wall,
         curve=curve,
         run_dir=run_dir,
+        series=series,
     )
 
 
@@ -249,12 +258,16 @@ def alpha_text(alpha: float) -> str:
     return repr(float(alpha))
 
 
-def mean_curve(records: Iterable[ResultRecord]) -> tuple[list[int], list[float], list[float]]:
-    """Rounds, mean accuracy (%) and its sample std (0 for one run) across records."""
+def mean_curve(records: Iterable[ResultRecord], series: str | None = None
+               ) -> tuple[list[int], list[float], list[float]]:
+    """Rounds, mean accuracy (%) and its sample std (0 for one run) across records;
+    with ``series``, the mean and std of that per-round metric instead."""
     by_round: dict[int, list[float]] = {}
     for record in records:
-        for step, accuracy in record.curve:
-            by_round.setdefault(step, []).append(100.0 * accuracy)
+        points = record.curve if series is None else record.series.get(series, ())
+        scale = 100.0 if series is None else 1.0
+        for step, value in points:
+            by_round.setdefault(step, []).append(scale * value)
     steps = sorted(by_round)
     stats = [summarize(by_round[s]) for s in steps]
     return steps, [s.mean for s in stats], [s.std or 0.0 for s in stats]

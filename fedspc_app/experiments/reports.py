@@ -23,7 +23,12 @@ from typing import Any
 from fedspc_app.core.files import atomic_write
 from fedspc_app.core.results import format_duration
 from fedspc_app.experiments.layout import slug
-from fedspc_app.experiments.plots import plot_curves, plot_deltas, plot_partition_panels
+from fedspc_app.experiments.plots import (
+    plot_curves,
+    plot_deltas,
+    plot_drift,
+    plot_partition_panels,
+)
 from fedspc_app.experiments.records import (
     CENTRALIZED,
     FEDERATED,
@@ -272,6 +277,10 @@ def write_report(records: Sequence[ResultRecord], out_dir: str | Path, *,
         for alpha in alphas_of(r for r in records if r.setting == setting):
             path = plot_curves(records, setting, alpha,
                                out_dir / f"curves-{slug(setting)}-a{alpha:g}.png")
+            if path:
+                figures.append(path)
+            path = plot_drift(records, setting, alpha,
+                              out_dir / f"drift-{slug(setting)}-a{alpha:g}.png")
             if path:
                 figures.append(path)
     figures += plot_partition_panels(records, out_dir)
