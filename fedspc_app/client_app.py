@@ -143,7 +143,9 @@ class ClientSetup:
                                       config.resolved_run_name, partition_id,
                                       deployment=deployment, checkpoint=config.checkpoint,
                                       run_token=str(message_config(message).get(RUN_TOKEN, "")))
-        return cls(config, method, data, parameter_split(model, method), model,
+        split = parameter_split(model, method, shared_keys=config.shared_keys,
+                                personal_keys=config.personal_keys)
+        return cls(config, method, data, split, model,
                    partition_id, int(message_config(message).get("server-round", 0)),
                    store=store, deployment=deployment)
 

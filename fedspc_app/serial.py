@@ -6,7 +6,7 @@ data, partition, model and client code (:func:`clients.train_client` and
 updates u_bar as :class:`strategies.FedSPC` does. It is the baseline of
 ``scripts/benchmark.py --compare``, and a cross-check of the apps: with every client
 sampled, its metrics are those of the Flower run with the same run-config, bit for
-bit (``tests/test_serial.py``). With ``fraction-train`` < 1 it samples its own
+bit (``tests/test_inprocess.py``). With ``fraction-train`` < 1 it samples its own
 clients, so only the work per round compares, not the metrics.
 """
 
@@ -56,7 +56,8 @@ def run_serial(config: RunConfig, num_clients: int,
     dataset = load_run_dataset(config)
     load_partition(config, num_clients)
     model = make_model(config, dataset)
-    split = parameter_split(model, method)
+    split = parameter_split(model, method, shared_keys=config.shared_keys,
+                            personal_keys=config.personal_keys)
     # Every client starts from the common initial model (a fresh model in the apps).
     initial = state_arrays(model, model.state_dict().keys())
     data = [client_data(config, k, num_clients) for k in range(num_clients)]

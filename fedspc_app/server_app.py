@@ -93,7 +93,8 @@ def main(grid: Grid, context: Context) -> None:
             sizes = {"train": int(dataset.train_labels.shape[0]),
                      "test": int(dataset.test_labels.shape[0])}
         model = make_model(config, shape)
-        split = parameter_split(model, method)
+        split = parameter_split(model, method, shared_keys=config.shared_keys,
+                                personal_keys=config.personal_keys)
     except FedSPCError as error:
         log(ERROR, "Run not started: %s", error)
         raise SystemExit(f"fedspc: {error}") from None
@@ -117,6 +118,9 @@ def main(grid: Grid, context: Context) -> None:
         "num-clients": num_clients,
         "runtime": "deployment" if deployment else "simulation",
         "dataset": {"name": shape.name, **sizes, "classes": shape.num_classes},
+        "split": ("declared (shared-keys/personal-keys)"
+                  if config.shared_keys.strip() or config.personal_keys.strip()
+                  else f"the method's ({method.shared} shared)"),
         "shared-keys": list(split.shared),
         "personal-keys": list(split.personal),
         "resumed-after-round": resumed.round if resumed else 0,

@@ -63,6 +63,8 @@ class RunConfig:
     method: str = "fedavg"
     fedspc: bool = False
     fedspc_upload: str = "derived"
+    shared_keys: str = ""
+    personal_keys: str = ""
 
     # Federation
     num_rounds: int = 10

@@ -1,0 +1,132 @@
+"""FedSPC on any split: ``shared-keys``/``personal-keys`` patterns and methods registered in code.
+
+The small CNN's state-dict keys are ``features.conv{1,2}.{weight,bias}``, ``fc.*`` and
+``head.*``; the expected splits below are written out by hand from them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from test_inprocess import OUTPUT, run_app, train_messages, train_replies
+
+from fedspc_app.core.config import parse_run_config
+from fedspc_app.core.datasets import load_dataset
+from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.methods import METHODS, Method, Phase, get_method, register
+from fedspc_app.core.task import make_model, parameter_split
+
+CONV = ("features.conv1.weight", "features.conv1.bias",
+        "features.conv2.weight", "features.conv2.bias")
+FC = ("fc.weight", "fc.bias")
+HEAD = ("head.weight", "head.bias")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model(parse_run_config({}), load_dataset("digits", None))
+
+
+def test_the_cnn_has_the_keys_these_tests_are_written_for(model):
+    assert tuple(model.state_dict()) == CONV + FC + HEAD
+
+
+@pytest.mark.parametrize(("shared", "personal", "expect_shared"), [
+    ("", "head.*", CONV + FC),
+    ("", "fc.*, head.*", CONV),
+    ("", "features.conv1.*,head.*", CONV[2:] + FC),
+    ("features.*", "", CONV),
+    ("features.*,fc.weight", "fc.bias,head.*", CONV + ("fc.weight",)),
+    ("*.weight", "", ("features.conv1.weight", "features.conv2.weight", "fc.weight",
+                      "head.weight")),
+])
+def test_declared_patterns_resolve_to_these_keys(model, shared, personal, expect_shared):
+    split = parameter_split(model, get_method("fedavg"), shared_keys=shared,
+                            personal_keys=personal)
+    assert split.shared == expect_shared
+    assert split.personal == tuple(k for k in CONV + FC + HEAD if k not in expect_shared)
+    assert split.corrected == expect_shared  # the CNN has no buffers
+
+
+def test_the_methods_phases_keep_their_roles_on_a_declared_split(model):
+    # FedRep trains "head" then "body": on a declared split, the personal set, then the
+    # shared set. LG-FedAvg shares its "head": the declared shared set takes that role.
+    fedrep = parameter_split(model, get_method("fedrep"), personal_keys="features.conv1.*")
+    assert fedrep.trainable("head") == CONV[:2]
+    assert fedrep.trainable("body") == CONV[2:] + FC + HEAD
+    lg = parameter_split(model, get_method("lgfedavg"), personal_keys="features.*")
+    assert lg.shared == FC + HEAD and lg.head == FC + HEAD and lg.body == CONV
+
+
+@pytest.mark.parametrize(("shared", "personal", "message"), [
+    ("", "heads.*", "'personal-keys': pattern 'heads.*' matches no state-dict key"),
+    ("features.*", "fc.*", "leave head.weight, head.bias unassigned"),
+    ("features.*,fc.*", "fc.bias,head.*", "both match fc.bias"),
+    ("", "*", "no trainable parameter"),
+    ("", " , ", "hold no pattern"),
+])
+def test_a_bad_declaration_is_one_clear_error(model, shared, personal, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("*", r"\*")):
+        parameter_split(model, get_method("fedper"), shared_keys=shared,
+                        personal_keys=personal)
+
+
+def rounds(metrics):
+    return [{k: v for k, v in row.items() if "second" not in k}
+            for row in metrics["rounds"]]
+
+
+def test_fedpers_split_declared_is_fedpers_split(model):
+    fedper = get_method("fedper")
+    assert parameter_split(model, fedper, personal_keys="head.*") == \
+        parameter_split(model, fedper)
+
+
+@pytest.mark.parametrize("fedspc", [False, True])
+def test_fedpers_split_declared_gives_fedpers_results_exactly(fedspc):
+    # FedAvg's one phase on every parameter, with the head declared personal, is FedPer.
+    _, fedper = run_app("fedper", fedspc)
+    _, declared = run_app("fedavg", fedspc, shared_keys="features.*,fc.*")
+    assert rounds(declared) == rounds(fedper)
+
+
+def test_a_split_no_method_uses_composes_with_fedspc():
+    grid, metrics = run_app("fedrep", True, personal_keys="features.conv1.*,head.*")
+    shared = CONV[2:] + FC
+    for message in grid.sent + grid.replies:
+        assert not message.has_error(), message.error
+        for record in message.content.array_records.values():
+            assert set(record.keys()) <= set(shared)
+    for message in train_messages(grid, 1) + train_messages(grid, 2):
+        assert set(message.content.array_records["arrays"].keys()) == set(shared)
+        assert set(message.content.array_records["global-reference"].keys()) == set(shared)
+    assert len(train_replies(grid)) == 2 * 3
+    config = json.loads((OUTPUT / metrics["run-name"] / "config.json").read_text())
+    assert config["split"].startswith("declared")
+    assert config["shared-keys"] == list(shared)
+    assert config["personal-keys"] == list(CONV[:2] + HEAD)
+    first, last = metrics["rounds"]
+    assert np.isfinite(last["loss"]) and last["loss"] < first["loss"]
+    assert last["accuracy"] > 0.3  # digits, chance 10%
+
+
+def test_a_method_registered_in_code_runs_with_fedspc():
+    method = register(Method(
+        "fedper-headfirst", "body",
+        (Phase("head", "fedrep_head_epochs"), Phase("all", "local_epochs")),
+        summary="test method: a personal-head warm-up, then every parameter"))
+    try:
+        grid, metrics = run_app("fedper-headfirst", True)
+        split = parameter_split(make_model(parse_run_config({}), load_dataset("digits", None)),
+                                method)
+        assert split.shared == CONV + FC
+        for message in grid.sent + grid.replies:
+            assert not message.has_error(), message.error
+            for record in message.content.array_records.values():
+                assert not set(record.keys()) & set(HEAD)
+        first, last = metrics["rounds"]
+        assert last["loss"] < first["loss"] and last["accuracy"] > 0.3
+    finally:
+        METHODS.pop("fedper-headfirst")
