@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from fedspc_app.core.partition import dirichlet_partition, save_partition
-from fedspc_app.experiments import layout, plots, reports
+from fedspc_app.core.errors import ConfigError
+from fedspc_app.experiments import cli, layout, plots, reports
 from fedspc_app.experiments.records import delta_text, load_records, summarize
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -234,3 +235,19 @@ def test_delta_chart_draws_only_the_alphas_that_have_a_delta(grid_dir, monkeypat
     assert [round(p.get_height(), 2) for p in s1.patches] == [4.5]
     assert [t.get_text() for t in s1.texts] == ["+4.50"]
     assert len(s2.patches) == 0 and s2.get_legend() is None
+
+
+def test_a_report_of_two_grids_puts_standard_fl_beside_pfl(tmp_path, capsys):
+    fl, pfl = tmp_path / "fl", tmp_path / "pfl"
+    write_run(fl, "fedavg", setting="ignored", method="fedavg", final=0.2, curve=(0.2,))
+    write_run(pfl, "fedrep", setting="ignored", final=0.5, curve=(0.5,))
+    write_run(pfl, "fedrep+fedspc", setting="ignored", fedspc=True, final=0.45,
+              curve=(0.45,))
+    with pytest.raises(ConfigError, match="needs --out"):
+        cli.report([str(fl), str(pfl)], None, None)
+    out = cli.report([str(fl), str(pfl)], str(tmp_path / "both"), None)
+    table1 = (out / "table1.md").read_text().splitlines()
+    assert table1[2:] == ["| FedAvg | 0.1 | 20.00 |", "| FedRep | 0.1 | 50.00 |",
+                          "| FedRep+FedSPC | 0.1 | 45.00 |"]
+    assert (out / "report.md").read_text().startswith("# Results: fl + pfl\n")
+    assert "Report of 3 cells" in capsys.readouterr().out

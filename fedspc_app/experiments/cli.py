@@ -5,7 +5,7 @@ centralized reference and partition figures::
         [--output-dir DIR] [--set "k=v ..."] [--retry-failed]
         [--clients N] [--client-cpus X] [--client-gpus X] [--timeout S]
     python -m fedspc_app.experiments list GRID.yaml        # the same as run --dry-run
-    python -m fedspc_app.experiments report GRID_DIR_OR_YAML [--out DIR]
+    python -m fedspc_app.experiments report GRID_DIR_OR_YAML [...] [--out DIR]
     python -m fedspc_app.experiments centralized [--run-config TOML] [--set "k=v ..."]
         [--epochs 200] [--learning-rate 0.1] [--eval-every 1] [--lr-schedule constant]
     python -m fedspc_app.experiments partition RUN_DIR... [-o PNG]
@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
     return 0 if outcome.ok else FAILED
 
 
-def report(target: str, out: str | None, output_dir: str | None) -> Path:
-    """Write the report of a grid folder (or of a grid file's folder)."""
+def grid_records(target: str, output_dir: str | None) -> tuple[Path, str, list]:
+    """The folder, name and result records of a grid folder (or a grid file's folder)."""
     path = Path(target)
     if path.is_file():
         grid = load_grid(path, output_dir=output_dir)
@@ -74,8 +74,18 @@ def report(target: str, out: str | None, output_dir: str | None) -> Path:
         directory, title, cells = path.resolve(), path.resolve().name, None
     if not directory.is_dir():
         raise ConfigError(f"no results at {directory}")
-    records = load_records(directory, cells)
-    out_dir = Path(out) if out else directory / REPORT_DIR
+    return directory, title, load_records(directory, cells)
+
+
+def report(targets: str | list[str], out: str | None, output_dir: str | None) -> Path:
+    """Write the report of one grid, or of several together (then ``out`` is needed)."""
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    if len(targets) > 1 and not out:
+        raise ConfigError("a report of several grids needs --out")
+    loaded = [grid_records(target, output_dir) for target in targets]
+    records = [record for _, _, grid in loaded for record in grid]
+    out_dir = Path(out) if out else loaded[0][0] / REPORT_DIR
+    title = " + ".join(title for _, title, _ in loaded)
     written = write_report(records, out_dir, title=title)
     print(f"Report of {len(records)} cells: {out_dir} ({len(written)} files)")
     return out_dir
@@ -137,9 +147,12 @@ def _add_grid_commands(commands: argparse._SubParsersAction) -> None:
                              help="stream every cell's output, not only progress")
             sub.add_argument("--flwr-home", help="keep the SuperLink's FLWR_HOME here")
         sub.set_defaults(handler=run)
-    sub = commands.add_parser("report", help="tables and figures from a grid's results")
-    sub.add_argument("grid", help="grid folder (<output-dir>/<name>) or grid file")
-    sub.add_argument("--out", help="report folder (default: <grid folder>/report)")
+    sub = commands.add_parser("report", help="tables and figures from grids' results")
+    sub.add_argument("grid", nargs="+",
+                     help="grid folder (<output-dir>/<name>) or grid file; several are "
+                          "reported together (e.g. Table 1: standard FL beside PFL)")
+    sub.add_argument("--out", help="report folder (default: <grid folder>/report; "
+                                   "required with several grids)")
     sub.add_argument("--output-dir", help="with a grid file: parent of the grid's folder")
     sub.set_defaults(handler=report_command)
 
