@@ -20,6 +20,7 @@ SMALL_VIT = {"vit_embed_dim": 96}
 
 EXPECTED_HEAD_KEYS = {
     "cnn": {"head.weight", "head.bias"},
+    "cnn-bn": {"head.weight", "head.bias"},
     "resnet34": {"fc.weight", "fc.bias"},
     "vgg11": {"head.weight", "head.bias"},
     "vit": {"head.weight", "head.bias"},
@@ -159,7 +160,13 @@ def test_split_body_head(models: dict[str, nn.Module], name: str) -> None:
     assert list(head) == [k for k in keys if k in set(head)]
     buffers = {n for n, _ in model.named_buffers()}
     assert buffers <= set(body)
-    if name in ("resnet34", "vgg11"):
+    if name == "cnn-bn":  # the CNN's keys with a BatchNorm after each convolution
+        cnn = [k for k in keys if ".norm" not in k]
+        assert cnn == list(models["cnn"].state_dict())
+        assert [k for k in keys if ".norm" in k] == [
+            f"features.norm{i}.{key}" for i in (1, 2) for key in
+            ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")]
+    if name in ("resnet34", "vgg11", "cnn-bn"):
         assert any(k.endswith("running_mean") for k in body)
         assert any(k.endswith("num_batches_tracked") for k in body)
     if name == "vit":
@@ -207,7 +214,7 @@ def test_unseeded_builds_differ() -> None:
 
 
 def test_unknown_model_name() -> None:
-    with pytest.raises(ConfigError, match="cnn, resnet34, vgg11, vit"):
+    with pytest.raises(ConfigError, match="cnn, cnn-bn, resnet34, vgg11, vit"):
         build_model("resnet50", num_classes=10)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from fedspc_app.core.errors import ConfigError
 
 DATASETS = ("digits", "cifar10", "cifar100", "tinyimagenet")
-MODELS = ("cnn", "resnet34", "vgg11", "vit")
+MODELS = ("cnn", "cnn-bn", "resnet34", "vgg11", "vit")
 AGGREGATIONS = ("mean", "weighted")
 AUGMENTS = ("auto", "none", "crop-flip")
 PRECISIONS = ("fp32", "bf16")

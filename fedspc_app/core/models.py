@@ -11,6 +11,10 @@ The models:
     The classic FedAvg CNN: two 5x5 convolutions (32 and 64 channels, no padding), each
     followed by ReLU and 2x2 max-pooling, a 512-unit fully connected layer with ReLU and the
     final linear classifier ``head``.
+``cnn-bn``
+    The same CNN with a BatchNorm layer after each convolution (``features.norm1``,
+    ``features.norm2``): the smallest model with normalisation layers, for studying how
+    they interact with the aggregation and the correction at a CPU budget.
 ``resnet34``
     timm's ResNet-34 with a CIFAR stem: the 7x7 stride-2 convolution becomes a 3x3 stride-1
     one and the stem max-pool is removed, so a 32x32 image is not shrunk to 1x1 by the last
@@ -66,6 +70,8 @@ class FedAvgCNN(nn.Module):
         Number of input channels.
     image_size : int
         Side of the square input images; fixes the input width of the 512-unit layer.
+    batch_norm : bool
+        Put a BatchNorm layer after each convolution (model ``cnn-bn``).
 
     Notes
     -----
@@ -75,7 +81,8 @@ class FedAvgCNN(nn.Module):
 
     hidden_size = 512
 
-    def __init__(self, num_classes: int, in_chans: int = 3, image_size: int = 32) -> None:
+    def __init__(self, num_classes: int, in_chans: int = 3, image_size: int = 32,
+                 batch_norm: bool = False) -> None:
         super().__init__()
         side = _cnn_feature_side(image_size)
         if side < 1:
@@ -85,18 +92,13 @@ class FedAvgCNN(nn.Module):
             )
         self.num_classes = num_classes
         self.in_chans = in_chans
-        self.features = nn.Sequential(
-            OrderedDict(
-                [
-                    ("conv1", nn.Conv2d(in_chans, 32, kernel_size=5)),
-                    ("act1", nn.ReLU(inplace=True)),
-                    ("pool1", nn.MaxPool2d(2)),
-                    ("conv2", nn.Conv2d(32, 64, kernel_size=5)),
-                    ("act2", nn.ReLU(inplace=True)),
-                    ("pool2", nn.MaxPool2d(2)),
-                ]
-            )
-        )
+        layers = []
+        for i, (width_in, width) in enumerate(((in_chans, 32), (32, 64)), start=1):
+            layers.append((f"conv{i}", nn.Conv2d(width_in, width, kernel_size=5)))
+            if batch_norm:
+                layers.append((f"norm{i}", nn.BatchNorm2d(width)))
+            layers += [(f"act{i}", nn.ReLU(inplace=True)), (f"pool{i}", nn.MaxPool2d(2))]
+        self.features = nn.Sequential(OrderedDict(layers))
         self.fc = nn.Linear(64 * side * side, self.hidden_size)
         self.act = nn.ReLU(inplace=True)
         self.num_features = self.hidden_size
@@ -201,6 +203,12 @@ def _build_cnn(num_classes: int, in_chans: int, image_size: int, vit_embed_dim: 
     return FedAvgCNN(num_classes=num_classes, in_chans=in_chans, image_size=image_size)
 
 
+def _build_cnn_bn(num_classes: int, in_chans: int, image_size: int,
+                  vit_embed_dim: int) -> nn.Module:
+    return FedAvgCNN(num_classes=num_classes, in_chans=in_chans, image_size=image_size,
+                     batch_norm=True)
+
+
 def _build_resnet34(
     num_classes: int, in_chans: int, image_size: int, vit_embed_dim: int
 ) -> nn.Module:
@@ -253,6 +261,7 @@ def _build_vit(num_classes: int, in_chans: int, image_size: int, vit_embed_dim: 
 
 _BUILDERS: dict[str, Callable[[int, int, int, int], nn.Module]] = {
     "cnn": _build_cnn,
+    "cnn-bn": _build_cnn_bn,
     "resnet34": _build_resnet34,
     "vgg11": _build_vgg11,
     "vit": _build_vit,
