@@ -30,7 +30,7 @@ import numpy as np
 
 from clients.state import BLOCKS, COMMITTED, PENDING, ClientState
 from fedspc_app.core.errors import FedSPCError
-from fedspc_app.core.files import atomic_open
+from fedspc_app.core.files import atomic_open, sync_folder
 
 STATE_DIR_KEY = "state-dir"
 FORMAT_VERSION = 2
@@ -93,6 +93,7 @@ class DurableState:
         pending = self.path(PENDING)
         if pending.is_file():
             os.replace(pending, self.path(COMMITTED))
+            sync_folder(self.directory)
 
     def discard(self) -> None:
         self.path(PENDING).unlink(missing_ok=True)

@@ -25,6 +25,7 @@ from fedspc_app.core.config import RunConfig
 from fedspc_app.core.errors import DivergenceError
 from fedspc_app.core.correction import add, reference_change, shared_update, zeros_like
 from fedspc_app.core.methods import Method
+from fedspc_app.core.protocol import LOCAL_CORRECT, LOCAL_EXAMPLES, SHARED_STEPS
 from fedspc_app.core.task import (
     ArrayDict,
     ClientData,
@@ -81,7 +82,6 @@ class EvaluateOutcome:
 
 
 # Reply metrics of ``evaluate-before-aggregation``.
-LOCAL_CORRECT, LOCAL_EXAMPLES = "local-correct", "local-examples"
 
 
 def uses_control_variates(method: Method, config: RunConfig) -> bool:
@@ -224,7 +224,7 @@ def train_client(
     metrics = {
         "num-examples": int(len(data.train_indices)),
         "train-loss": float(last_loss),
-        "shared-steps": int(shared_steps),
+        SHARED_STEPS: int(shared_steps),
         "examples-seen": int(examples_seen),
         "rounds-trained": new_state.rounds_trained,
         **local,

@@ -18,12 +18,9 @@ import contextlib
 import json
 import sys
 import tempfile
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-import tomli_w
 
 from deploy.connection import write_connection
 from deploy.pki import (
@@ -59,6 +56,7 @@ from fedspc_app.launch.runconfig import (
     app_defaults,
     check_resources,
     load_overrides,
+    run_config_file,
 )
 from fedspc_app.launch.superlink import run_simulation, simulation, submit_and_check
 
@@ -237,15 +235,11 @@ class LoopbackDeployment:
     def submit(self, run_config: Mapping[str, Any], *, log_file: Path,
                timeout: float) -> int:
         """``flwr run . <connection> --stream`` with ``run_config``; its exit code."""
-        path = self.root / f"run-config-{time.time_ns()}.toml"
-        path.write_text(tomli_w.dumps(dict(run_config)))
-        try:
+        with run_config_file(run_config) as config_path:
             result = run_flwr(["run", str(APP_DIR), CONNECTION, "--stream",
-                               "--run-config", str(path)],
+                               "--run-config", config_path],
                               flwr_home=self.home, timeout=timeout, log_file=log_file,
                               cwd=APP_DIR, in_flight=self.cli)
-        finally:
-            path.unlink(missing_ok=True)
         return result.returncode
 
     def run(self, run_config: Mapping[str, Any], *, log_file: Path,

@@ -18,21 +18,22 @@ working directory) and ``data-dir`` a folder on every SuperNode (a node-config
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-import tomli_w
 
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.launch.cli import BAD_INPUT, add_run_config_arguments, fail
 from fedspc_app.launch.processes import child_env, console_script
-from fedspc_app.launch.runconfig import APP_DIR, app_defaults, load_overrides
+from fedspc_app.launch.runconfig import (
+    APP_DIR,
+    app_defaults,
+    load_overrides,
+    run_config_file,
+)
 
 
 def build_run_config(run_config_file: str | None, assignments: str,
@@ -67,15 +68,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not Path(output_dir).is_absolute():
         print(f"note: output-dir {output_dir!r} is relative to the SuperLink's working "
               "directory on the server machine", file=sys.stderr)
-    with tempfile.NamedTemporaryFile("wb", suffix=".toml", delete=False) as handle:
-        handle.write(tomli_w.dumps(overrides).encode())
     connection = [args.connection] if args.connection else []
-    command = [console_script("flwr"), "run", args.app, *connection, "--stream",
-               "--run-config", handle.name]
-    try:
+    with run_config_file(overrides) as config_path:
+        command = [console_script("flwr"), "run", args.app, *connection, "--stream",
+                   "--run-config", config_path]
         return subprocess.call(command, env=child_env())
-    finally:
-        os.unlink(handle.name)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,13 @@ from clients.state import (
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.methods import Method, get_method
+from fedspc_app.core.protocol import (
+    NODE_QUERY,
+    PARTITION_ID,
+    PARTITION_QUERY,
+    SETUP_SECONDS,
+    WORK_SECONDS,
+)
 from fedspc_app.core.task import (
     ClientData,
     ParameterSplit,
@@ -41,14 +48,10 @@ from strategies.personalized import (
     DURABLE_THROUGH,
     METRICS,
     RUN_TOKEN,
-    SETUP_SECONDS,
-    WORK_SECONDS,
 )
 
 app = ClientApp()
 
-# The ServerApp's check of a deployment before training (see deployment.preflight).
-PARTITION_QUERY = "partition"
 # What a SuperNode's --node-config may hold (simulation sets the first two).
 NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "data-dir", "state-dir")
 
@@ -132,7 +135,7 @@ class ClientSetup:
     deployment: bool = False
 
     @classmethod
-    def from_message(cls, message: Message, context: Context) -> "ClientSetup":
+    def from_message(cls, message: Message, context: Context) -> ClientSetup:
         config = node_run_config(context)
         method = get_method(config.method)
         partition_id, num_partitions = node_partition(message, context)
@@ -258,13 +261,19 @@ def evaluate(message: Message, context: Context) -> Message:
 
 @app.query()
 def query(message: Message, context: Context) -> Message:
-    """A deployment's check before training: this node's data, partition and state file.
+    """The server's questions: this node's partition id (``NODE_QUERY``, for sampling
+    by partition), or a deployment's check before training (``PARTITION_QUERY``).
 
-    Loads what round 1 would load (so a missing dataset or a bad node-config fails
-    here, before any training) and reports the node's per-class image counts, from
-    which the server writes the run's partition file.
+    The check loads what round 1 would load (so a missing dataset or a bad node-config
+    fails here, before any training) and reports the node's per-class image counts,
+    from which the server writes the run's partition file.
     """
     kind = message_config(message).get("query")
+    if kind == NODE_QUERY:
+        partition_id, num_partitions = check_node_config(context.node_config)
+        return Message(RecordDict({METRICS: MetricRecord({
+            PARTITION_ID: partition_id, "num-partitions": num_partitions})}),
+            reply_to=message)
     if kind != PARTITION_QUERY:
         raise ValueError(f"unknown query {kind!r}")
     config = node_run_config(context)

@@ -17,10 +17,10 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from fedspc_app.client_app import PARTITION_QUERY
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.datasets import ImageDataset
 from fedspc_app.core.errors import FedSPCError
+from fedspc_app.core.protocol import PARTITION_QUERY
 from fedspc_app.core.task import (
     KNOWN_SHAPES,
     DatasetShape,

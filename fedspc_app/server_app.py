@@ -49,6 +49,8 @@ def build_strategy(config: RunConfig, method: Method, split: ParameterSplit,
         num_partitions=num_clients,
         min_train_replies=config.min_train_replies,
         drift_keys=split.corrected,
+        seed=config.seed,
+        node_wait=config.node_wait,
     )
     if method.control_variates or config.fedspc:
         return FedSPC(strategy, corrected_keys=split.corrected,

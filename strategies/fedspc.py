@@ -30,12 +30,12 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from fedspc_app.core.correction import reference_change, shared_update
+from fedspc_app.core.protocol import SHARED_STEPS
 from fedspc_app.core.task import ArrayDict, from_record, to_record
 from strategies.personalized import ARRAYS, METRICS, PersonalizedFedAvg
 
 GLOBAL_REFERENCE = "global-reference"
 REFERENCE_CHANGE = "reference-change"
-SHARED_STEPS = "shared-steps"
 
 
 class FedSPC(Strategy):
@@ -139,8 +139,8 @@ class FedSPC(Strategy):
             }
         config["reference-upload"] = self.upload
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
-        # K: every connected client, sampled or not.
-        self.num_clients = len(list(grid.get_node_ids()))
+        # K: every client of the run, sampled, connected or not (u_bar is their mean u_k).
+        self.num_clients = self.strategy.num_partitions
         reference = to_record(self.global_reference)
         for message in messages:
             message.content[GLOBAL_REFERENCE] = reference

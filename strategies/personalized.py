@@ -20,14 +20,29 @@ from dataclasses import dataclass, field
 from logging import INFO, WARNING
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
 from fedspc_app.core.errors import FedSPCError
+from fedspc_app.core.protocol import (
+    LOCAL_CORRECT,
+    LOCAL_EXAMPLES,
+    PARTITION_ID,
+    SETUP_SECONDS,
+    WORK_SECONDS,
+)
 from fedspc_app.core.task import ArrayDict, from_record, to_record
 from strategies.drift import drift_statistics
+from strategies.sampling import PartitionSampler
 
 ARRAYS = "arrays"
 METRICS = "metrics"
@@ -38,13 +53,9 @@ RUN_TOKEN = "run-token"  # tells a resumed run's clients from another run's left
 EVALUATION_KEYS = ("num-examples", "correct", "loss-sum", "partition-id")
 # Optional reply metrics: a client's seconds spent on setup and on the work itself;
 # the aggregates sum them over the clients (``client-setup-seconds`` and so on).
-SETUP_SECONDS, WORK_SECONDS = "setup-seconds", "work-seconds"
 TIMINGS = (SETUP_SECONDS, WORK_SECONDS)
 
 
-# Reply metrics of clients that evaluate their trained model before replying
-# (run-config evaluate-before-aggregation).
-LOCAL_CORRECT, LOCAL_EXAMPLES = "local-correct", "local-examples"
 
 
 def accuracy_before_aggregation(metrics: Sequence[MetricRecord]) -> dict[str, float | list]:
@@ -130,6 +141,11 @@ class PersonalizedFedAvg(FedAvg):
     drift_keys : Sequence[str] | None (default: the floating-point shared keys)
         Keys the drift diagnostics of each round cover (see :mod:`strategies.drift`);
         the ServerApp passes the shared trainable parameters.
+    seed : int (default: 0)
+        Seeds the draw of each round's clients (see :mod:`strategies.sampling`).
+    node_wait : float (default: 120)
+        Seconds a round waits for missing clients to connect before it goes on
+        with the connected ones.
     """
 
     def __init__(
@@ -142,6 +158,8 @@ class PersonalizedFedAvg(FedAvg):
         num_partitions: int = 0,
         min_train_replies: float = 0.0,
         drift_keys: Sequence[str] | None = None,
+        seed: int = 0,
+        node_wait: float = 120.0,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train,
@@ -163,6 +181,8 @@ class PersonalizedFedAvg(FedAvg):
         self.run_token = ""
         self.report: RoundReport | None = None
         self.sampled = 0
+        self.sampler = PartitionSampler(self.num_partitions, seed=seed, node_wait=node_wait,
+                                        wait_for=min_available_nodes)
 
     # ------------------------------------------------------------------ state
     def decisions(self) -> dict[str, list[int] | int]:
@@ -202,16 +222,29 @@ class PersonalizedFedAvg(FedAvg):
             raise ValueError("the broadcast must hold exactly the shared keys")
         self.broadcast = from_record(arrays)
         config.update(self.decisions())
-        messages = list(super().configure_train(server_round, arrays, config, grid))
-        self.sampled = len(messages)
+        messages, self.sampled = self._messages(server_round, arrays, config, grid,
+                                                self.fraction_train, MessageType.TRAIN)
         return messages
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Send every client the shared block and the decisions of this round."""
+        """Send the sampled clients the shared block and the decisions of this round."""
         config.update(self.decisions())
-        return super().configure_evaluate(server_round, arrays, config, grid)
+        messages, _ = self._messages(server_round, arrays, config, grid,
+                                     self.fraction_evaluate, MessageType.EVALUATE)
+        return messages
+
+    def _messages(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                  grid: Grid, fraction: float, kind: str) -> tuple[list[Message], int]:
+        """One message per sampled client, and how many clients were drawn."""
+        nodes, drawn = self.sampler.sample(grid, server_round, fraction, kind)
+        log(INFO, "configure_%s: sampled %d of %d clients%s", kind, drawn,
+            self.num_partitions,
+            f" ({drawn - len(nodes)} not connected)" if len(nodes) < drawn else "")
+        config["server-round"] = server_round
+        record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
+        return list(self._construct_messages(record, nodes, kind)), drawn
 
     def check_reply(self, message: Message) -> str | None:
         """Why a train reply is unusable, or ``None`` when it is fine."""
@@ -240,12 +273,14 @@ class PersonalizedFedAvg(FedAvg):
         num_examples = metrics.get("num-examples")
         if not isinstance(num_examples, int) or num_examples <= 0:
             return f"'num-examples' must be a positive integer, got {num_examples!r}"
-        return self._check_partition(metrics.get("partition-id"))
+        return self._check_partition(message, metrics.get(PARTITION_ID))
 
-    def _check_partition(self, partition_id: object) -> str | None:
+    def _check_partition(self, message: Message, partition_id: object) -> str | None:
+        """Why the reply's partition id is wrong; a right one is remembered for sampling."""
         if not isinstance(partition_id, int) or not 0 <= partition_id < self.num_partitions:
             return (f"'partition-id' must be an integer in [0, {self.num_partitions}), "
                     f"got {partition_id!r}")
+        self.sampler.learn(message.metadata.src_node_id, partition_id)
         return None
 
     def accept_replies(self, server_round: int, replies: Iterable[Message],
@@ -352,7 +387,7 @@ class PersonalizedFedAvg(FedAvg):
             return f"'correct' must be an integer in [0, {examples}], got {correct!r}"
         if not isinstance(loss, (int, float)) or not math.isfinite(loss) or loss < 0:
             return f"'loss-sum' must be finite and >= 0, got {loss!r}"
-        return self._check_partition(metrics["partition-id"])
+        return self._check_partition(message, metrics[PARTITION_ID])
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -25,20 +25,22 @@ class InProcessGrid(Grid):
     """A Grid whose nodes are ClientApp calls in this process."""
 
     def __init__(self, client_app: ClientApp, num_nodes: int,
-                 run_config: Mapping[str, Any]) -> None:
+                 run_config: Mapping[str, Any], node_ids: Sequence[int] | None = None) -> None:
         TaskIdentity.run_id = 1
         TaskIdentity.node_id = 0
         TaskIdentity.task_id = 1
         self.client_app = client_app
+        # Partition i lives on node_ids[i] (by default node i + 1).
+        self.node_ids = list(node_ids or range(1, num_nodes + 1))
         self.contexts: dict[int, Context] = {
             node_id: Context(
                 run_id=1,
                 node_id=node_id,
-                node_config={"partition-id": node_id - 1, "num-partitions": num_nodes},
+                node_config={"partition-id": partition_id, "num-partitions": num_nodes},
                 state=RecordDict(),
                 run_config=dict(run_config),
             )
-            for node_id in range(1, num_nodes + 1)
+            for partition_id, node_id in enumerate(self.node_ids)
         }
         self.sent: list[Message] = []
         self.replies: list[Message] = []
@@ -97,4 +99,4 @@ class InProcessGrid(Grid):
         return reply
 
     def state(self, partition_id: int) -> RecordDict:
-        return self.contexts[partition_id + 1].state
+        return self.contexts[self.node_ids[partition_id]].state

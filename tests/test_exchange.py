@@ -6,27 +6,13 @@ import itertools
 
 import pytest
 from flwr.app import Message, MessageType, MetricRecord, RecordDict
+from virtual_clock import Clock
 
 from strategies import rounds
 from strategies.rounds import exchange, expected_seconds
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 _ids = itertools.count(1)
-
-
-class Clock:
-    """Virtual time for the exchange loop: ``sleep`` advances it and is recorded."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.sleeps: list[float] = []
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
 
 
 @pytest.fixture(autouse=True)

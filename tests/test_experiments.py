@@ -384,3 +384,20 @@ def test_tiny_grid_end_to_end_with_report(tmp_path, capsys):
     # Rerunning skips both finished cells.
     assert cli.main(["run", str(path), "--output-dir", str(out), "--no-report"]) == 0
     assert "2 done, 0 to run" in capsys.readouterr().out
+
+
+def test_an_interrupted_cell_is_resumed_and_a_new_one_started(tmp_path, monkeypatch):
+    grid = small_grid(tmp_path)
+    interrupted, fresh = grid.cells[0], grid.cells[1]
+    interrupted.run_dir.mkdir(parents=True)
+    (interrupted.run_dir / "checkpoint.json").write_text("{}")  # a run stopped midway
+    launched = {}
+    monkeypatch.setattr(runner, "run_simulation",
+                        lambda run_config, **_: launched.setdefault(
+                            run_config["run-name"], run_config.get("resume", False)))
+    link = type("Link", (), {"get": lambda self: None})()
+    for cell in (interrupted, fresh):
+        runner.run_federated_cell(cell, tmp_path / "log", link=link,
+                                  simulation=grid.simulation)
+    assert launched == {interrupted.run_config["run-name"]: True,
+                        fresh.run_config["run-name"]: False}

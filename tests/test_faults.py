@@ -9,6 +9,7 @@ process would. The product's config and code are the real ones.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -149,6 +150,12 @@ def test_a_faulty_train_reply_is_dropped_and_its_state_not_committed(tmp, fault,
     assert states[1].round == 1 and states[1].rounds_trained == 1
     assert [states[0].round, states[2].round] == [2, 2]
     assert ClientState.from_records(grid.state(1), PENDING) is None
+    before = grid.snapshots[2][1][1]  # its committed state when round 2 began
+    for block in ("personal", "local_reference"):
+        kept, then = getattr(states[1], block), getattr(before, block)
+        assert set(kept) == set(then)
+        for key in kept:
+            np.testing.assert_array_equal(kept[key], then[key], err_msg=f"{block} {key}")
 
 
 def test_u_bar_is_the_mean_of_the_committed_local_references_after_a_drop(tmp):
@@ -169,8 +176,11 @@ def test_a_diverging_client_reports_where_and_commits_nothing(tmp):
             context.run_config["learning-rate"] = 1e6
         return client_app.app(message, context)
 
-    grid, rounds, error = run(tmp, diverge)
+    grid, rounds, error = run(tmp, diverge, Recording)
     assert error is None
+    for server_round in (1, 2, 3):  # theta_s and u_bar stay finite
+        assert all_finite(broadcast(grid, server_round))
+        assert all_finite(grid.snapshots[server_round][0])
     reasons = " ".join(rounds[0]["dropped-reasons"])
     assert "DivergenceError: client 2 diverged in round 1" in reasons
     assert "step" in reasons
@@ -289,16 +299,22 @@ def test_an_unfinished_run_is_never_restarted_over_but_a_finished_one_is(tmp):
     assert error is None and len(rounds) == 1
 
 
-def test_a_checkpoint_of_another_config_is_refused(tmp):
+@pytest.mark.parametrize("change,clients,message", [
+    ({"seed": 1}, K, "seed: checkpoint 0, run-config 1"),
+    ({"method": "fedper"}, K, "method: checkpoint 'fedrep', run-config 'fedper'"),
+    ({"model": "cnn-bn"}, K, "model: checkpoint 'cnn', run-config 'cnn-bn'"),
+    ({"personal-keys": "fc.*,head.*"}, K, "personal-keys: checkpoint '', run-config"),
+    ({}, K + 1, f"num-clients: checkpoint {K}, run-config {K + 1}"),
+])
+def test_a_checkpoint_of_another_config_is_refused(tmp, change, clients, message):
     run(tmp, checkpoint=True, num_rounds=1)
-    identity_seed = {**BASE, "seed": 1}
-    with pytest.raises(SystemExit, match="belongs to another run .*seed: checkpoint 0, "
-                                         "run-config 1"):
-        run_config = {**identity_seed, "checkpoint": True, "resume": True, "num-rounds": 2,
-                      "output-dir": str(tmp), "run-name": "run"}
-        server_app.main(InProcessGrid(client_app.app, K, run_config),
+    run_config = {**BASE, **change, "checkpoint": True, "resume": True, "num-rounds": 2,
+                  "output-dir": str(tmp), "run-name": "run"}
+    with pytest.raises(SystemExit, match="belongs to another run .*" + re.escape(message)):
+        server_app.main(InProcessGrid(client_app.app, clients, run_config),
                         Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
                                 run_config=run_config))
+    assert json.loads((tmp / "run" / CHECKPOINT_JSON).read_text())["round"] == 1  # kept
 
 
 @pytest.mark.parametrize("node_config,message", [
@@ -355,3 +371,64 @@ def test_sampled_evaluation_uses_every_client_in_the_last_round(tmp):
     assert all(ClientState.from_records(grid.state(p), PENDING) is None for p in range(K))
     assert [ClientState.from_records(grid.state(p), COMMITTED).round for p in range(K)] \
         == [3, 3, 3]
+
+
+def test_a_resumed_run_with_partial_participation_samples_the_same_clients(tmp):
+    # Two of three clients train each round. The resumed half runs on nodes with other
+    # ids (as a restarted simulation's): the draw is over partition ids, so the same
+    # clients train and the metrics are those of the uninterrupted run.
+    overrides = {"checkpoint": True, "fraction_train": 0.67}
+    _, expected, _ = run(tmp / "a", **overrides)
+
+    def trained(rounds):  # the clients whose updates a round aggregated
+        return [sorted(int(k) for k in r["client-update-norms"]) for r in rounds]
+
+    assert [len(ids) for ids in trained(expected)] == [2, 2, 2]
+    assert len({tuple(ids) for ids in trained(expected)}) > 1  # not one fixed pair
+
+    def crashing(*args):
+        grid = Crashing(*args)
+        grid.crash_at = 10  # round 1: 3 partition queries, 2 train, 3 evaluate
+        return grid
+
+    with pytest.raises(Crash):
+        run(tmp / "b", grid_type=crashing, **overrides)
+
+    def renumbered(*args):
+        return InProcessGrid(*args, node_ids=[907, 15, 311])
+
+    grid, resumed, error = run(tmp / "b", grid_type=renumbered, resume=True, **overrides)
+    assert error is None
+    assert trained(resumed) == trained(expected)
+    assert accuracies(resumed) == accuracies(expected)
+    assert losses(resumed) == losses(expected)
+    queries = [m for m in grid.sent if m.metadata.message_type == MessageType.QUERY]
+    assert sorted(m.metadata.dst_node_id for m in queries) == [15, 311, 907]
+
+
+def test_a_failed_round_keeps_the_last_checkpoint_and_is_done_again_on_resume(
+        tmp, monkeypatch):
+    # Round 2 fails (two of three clients raise) and the server dies after its
+    # aggregation, before the round's record: the checkpoint is still round 1's, and
+    # the resumed run does round 2 again (the clients are back).
+    from fedspc_app.core import checkpoint as checkpoint_module
+
+    real = checkpoint_module.RoundRecords.on_round_end
+
+    def dies_in_round_2(self, server_round, *args):
+        if server_round == 2:
+            raise Crash
+        return real(self, server_round, *args)
+
+    monkeypatch.setattr(checkpoint_module.RoundRecords, "on_round_end", dies_in_round_2)
+    faults = {(node, 2, "train"): RuntimeError("down") for node in (1, 2)}
+    with pytest.raises(Crash):
+        run(tmp, Faulty(faults), checkpoint=True)
+    saved = json.loads((tmp / "run" / CHECKPOINT_JSON).read_text())
+    assert (saved["round"], saved["phase"], saved["failed-streak"]) == (1, "complete", 0)
+    monkeypatch.setattr(checkpoint_module.RoundRecords, "on_round_end", real)
+    _, rounds, error = run(tmp, checkpoint=True, resume=True)
+    assert error is None
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    assert [r["failed"] for r in rounds] == [0, 0, 0]
+    assert all(r["checkpoint-seconds"] > 0 for r in rounds)  # measured every round

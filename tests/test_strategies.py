@@ -34,13 +34,22 @@ pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 class FakeGrid:
-    """Just enough of a Grid for ``configure_train``: the connected node ids."""
+    """Just enough of a Grid for ``configure_train``: the connected node ids; node n
+    holds partition n - 1 and says so when asked."""
 
     def __init__(self, node_ids):
         self.node_ids = list(node_ids)
 
     def get_node_ids(self):
         return list(self.node_ids)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = f"q{message.metadata.dst_node_id}"
+            replies.append(Message(RecordDict({"metrics": MetricRecord(
+                {"partition-id": message.metadata.dst_node_id - 1})}), reply_to=message))
+        return replies
 
 
 def record(arrays: dict) -> ArrayRecord:
@@ -297,8 +306,8 @@ def test_no_replies_at_all_fail_the_round():
 ])
 def test_min_train_replies_is_a_fraction_of_the_sampled_clients(good, needed_fraction,
                                                                  fails):
-    # Prepare: 3 sampled nodes (4 connected, fraction 0.75), `good` usable replies
-    server = PersonalizedFedAvg(shared_keys=list(SHARED), num_partitions=10,
+    # Prepare: 3 sampled clients (K = 4, fraction 0.75), `good` usable replies
+    server = PersonalizedFedAvg(shared_keys=list(SHARED), num_partitions=4,
                                 fraction_train=0.75, min_train_replies=needed_fraction)
     messages = list(server.configure_train(1, record(SHARED), ConfigRecord(),
                                            FakeGrid([1, 2, 3, 4])))
@@ -453,9 +462,10 @@ BN = "body.bn.num_batches_tracked"  # shared, averaged, not corrected
 ETA = 0.1
 
 
-def fedspc(upload: str = "derived", fraction_train: float = 1.0) -> FedSPC:
+def fedspc(upload: str = "derived", fraction_train: float = 1.0,
+           num_partitions: int = 3) -> FedSPC:
     inner = PersonalizedFedAvg(shared_keys=[WK, BN], fraction_train=fraction_train,
-                               num_partitions=10)
+                               num_partitions=num_partitions)
     return FedSPC(inner, corrected_keys=[WK], learning_rate=ETA, upload=upload)
 
 
@@ -575,11 +585,11 @@ def test_two_rounds_partial_participation_by_hand():
                                rtol=1e-5)
 
 
-def test_k_counts_the_connected_nodes_not_the_replies():
-    # Prepare: 4 connected, only one reply
-    server = fedspc()
+def test_k_counts_the_runs_clients_not_the_replies_nor_the_connected_nodes():
+    # Prepare: K = 4 clients; the grid also lists a stale fifth node; only one reply
+    server = fedspc(num_partitions=4)
     server.configure_train(1, record({WK: f32(0.0, 0.0), BN: np.array(0)}),
-                           ConfigRecord(), FakeGrid([1, 2, 3, 4]))
+                           ConfigRecord(), FakeGrid([1, 2, 3, 4, 5]))
 
     # Execute: Delta = [0.2, -0.4], E = 1 -> change = [-2, 4]; u_bar = change / 4
     server.aggregate_train(1, [spc_reply([0.2, -0.4], 0, 1, node=1)])
@@ -700,7 +710,7 @@ def test_explicit_upload_uses_the_uploaded_change():
 
 def _explicit_round(bad: Message) -> tuple[FedSPC, dict]:
     """One explicit round with a good reply from node 1 and ``bad``."""
-    server = fedspc("explicit")
+    server = fedspc("explicit", num_partitions=2)
     server.configure_train(1, record({WK: f32(1.0, 1.0), BN: np.array(0)}),
                            ConfigRecord(), FakeGrid([1, 2]))
     good_change = {WK: f32(-2.0, 4.0)}
@@ -727,7 +737,7 @@ def test_explicit_reply_with_a_bad_reference_change_is_dropped(change):
 
 
 def test_explicit_reply_without_reference_change_alone_fails_the_round():
-    server = fedspc("explicit")
+    server = fedspc("explicit", num_partitions=2)
     server.configure_train(1, record({WK: f32(1.0, 1.0), BN: np.array(0)}),
                            ConfigRecord(), FakeGrid([1, 2]))
     assert server.aggregate_train(1, [spc_reply([1.2, 0.6], 2, 1, node=1)]) == (None, None)
@@ -739,7 +749,7 @@ def test_explicit_reply_without_reference_change_alone_fails_the_round():
 @pytest.mark.parametrize("steps", [None, 0, -1], ids=["missing", "zero", "negative"])
 def test_reply_without_positive_shared_steps_is_dropped(upload, steps):
     # Prepare
-    server = fedspc(upload)
+    server = fedspc(upload, num_partitions=2)
     theta = {WK: f32(1.0, 1.0), BN: np.array(0, dtype=np.int64)}
     server.configure_train(1, record(theta), ConfigRecord(), FakeGrid([1, 2]))
     good_change = {WK: f32(-2.0, 4.0)}  # = -0 - [0.2, -0.4] / (1 * 0.1)
@@ -756,7 +766,7 @@ def test_reply_without_positive_shared_steps_is_dropped(upload, steps):
 
 
 def test_all_replies_without_shared_steps_fail_the_round():
-    server = fedspc()
+    server = fedspc(num_partitions=2)
     server.configure_train(1, record({WK: f32(1.0, 1.0), BN: np.array(0)}),
                            ConfigRecord(), FakeGrid([1, 2]))
     assert server.aggregate_train(1, [spc_reply([1.2, 0.6], 2, 0, node=1),
@@ -765,7 +775,7 @@ def test_all_replies_without_shared_steps_fail_the_round():
 
 
 def test_fedspc_error_reply_is_dropped():
-    server = fedspc()
+    server = fedspc(num_partitions=2)
     server.configure_train(1, record({WK: f32(1.0, 1.0), BN: np.array(0)}),
                            ConfigRecord(), FakeGrid([1, 2]))
     arrays, metrics = server.aggregate_train(
@@ -785,11 +795,11 @@ def test_fedspc_evaluation_is_delegated():
 
 
 def test_fedspc_state_round_trips_through_a_checkpoint():
-    server = fedspc()
+    server = fedspc(num_partitions=4)
     server.configure_train(1, record({WK: f32(0.0, 0.0), BN: np.array(0)}),
                            ConfigRecord(), FakeGrid([1, 2, 3, 4]))
     server.aggregate_train(1, [spc_reply([0.2, -0.4], 0, 1, node=1)])
-    restored = fedspc()
+    restored = fedspc(num_partitions=4)
     restored.load_state_dict(server.state_dict(), 1, global_reference=server.state_arrays())
     assert restored.num_clients == 4
     np.testing.assert_array_equal(restored.global_reference[WK], server.global_reference[WK])

@@ -12,6 +12,7 @@ complete arrays file; older arrays files are removed after it is replaced.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from logging import INFO
 from pathlib import Path
@@ -24,7 +25,7 @@ from flwr.supercore import log
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.files import atomic_open, atomic_write
-from fedspc_app.core.results import RunRecorder, read_summary
+from fedspc_app.core.results import CHECKPOINT_SECONDS, RunRecorder, read_summary
 from fedspc_app.core.task import from_record
 
 CHECKPOINT_JSON = "checkpoint.json"
@@ -177,7 +178,14 @@ class RoundRecords:
                    train_metrics: MetricRecord | None, report: Any) -> None:
         self.failed_streak = self.failed_streak + 1 if report.failed else 0
         self.shared = from_record(arrays)
+        if report.failed:
+            # theta_s and u_bar are those of the last checkpoint: a run stopped before
+            # this round's record is written resumes by doing the round again.
+            return
+        started = time.perf_counter()
         self.checkpoint(server_round, TRAINED, new_arrays=True, train_metrics=train_metrics)
+        if train_metrics is not None and self.config.checkpoint:
+            train_metrics[CHECKPOINT_SECONDS] = time.perf_counter() - started
 
     def on_round_end(self, server_round: int, train_metrics: MetricRecord | None,
                      evaluate_metrics: MetricRecord | None, report: Any) -> None:

@@ -110,6 +110,7 @@ class RunConfig:
     min_train_replies: float = 0.5
     max_failed_rounds: int = 3
     round_timeout: float = 3600.0
+    node_wait: float = 120.0
 
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -237,6 +238,7 @@ def validate(config: RunConfig) -> RunConfig:
     _at_least("vit-embed-dim", config.vit_embed_dim, 12)
     _at_least("max-failed-rounds", config.max_failed_rounds, 1)
     _at_least("round-timeout", config.round_timeout, 0.0, strict=True)
+    _at_least("node-wait", config.node_wait, 0.0)
     if not 0.0 < config.min_train_replies <= 1.0:
         raise ConfigError("run-config 'min-train-replies' must be in (0, 1], "
                           f"got {config.min_train_replies!r}")

@@ -25,10 +25,20 @@ def atomic_open(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+        sync_folder(path.parent)  # the rename itself survives a power loss
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def sync_folder(folder: str | os.PathLike[str]) -> None:
+    """fsync a folder, so that a rename or a new file in it is on disk."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _umask() -> int:

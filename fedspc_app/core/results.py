@@ -41,6 +41,8 @@ TIMING_COLUMNS = tuple(f"{phase}-{field}" for phase in ("train", "evaluate")
 # and per client (keyed by partition id in metrics.json).
 DRIFT_COLUMNS = ("update-norm", "client-update-norm", "drift-dispersion", "update-cosine")
 DRIFT_PER_CLIENT = ("client-update-norms", "client-update-cosines")
+# Seconds the server took to write a round's checkpoint after its aggregation.
+CHECKPOINT_SECONDS = "checkpoint-seconds"
 CONFIG_JSON, METRICS_JSON, METRICS_CSV, SUMMARY_JSON = (
     "config.json", "metrics.json", "metrics.csv", "summary.json")
 SCALAR_COLUMNS = (
@@ -48,6 +50,7 @@ SCALAR_COLUMNS = (
     "train-clients", "bytes-sent", "bytes-received", "train-images", "images-per-second",
     "round-seconds", "elapsed-seconds", "failed", "train-dropped", "evaluate-dropped",
     *DRIFT_COLUMNS, "global-reference-norm", "accuracy-before-aggregation", *TIMING_COLUMNS,
+    CHECKPOINT_SECONDS,
 )
 
 
@@ -251,6 +254,8 @@ class RunRecorder:
             for key in (*DRIFT_PER_CLIENT, "client-accuracy-before-aggregation"):
                 if key in train and ids:
                     row[key] = {i: _clean(float(v)) for i, v in zip(ids, train[key])}
+            if CHECKPOINT_SECONDS in train:
+                row[CHECKPOINT_SECONDS] = round(float(train[CHECKPOINT_SECONDS]), 4)
             if "global-reference-norm" in train:
                 row["global-reference-norm"] = float(train["global-reference-norm"])
         if evaluate is not None:

@@ -16,11 +16,9 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-
-import tomli_w
 
 from fedspc_app.core.checkpoint import CHECKPOINT_JSON
 from fedspc_app.core.errors import FedSPCError
@@ -35,6 +33,7 @@ from fedspc_app.experiments.layout import (
     read_json,
 )
 from fedspc_app.launch.processes import run_logged
+from fedspc_app.launch.runconfig import run_config_file
 from fedspc_app.launch.superlink import LocalSuperLink, SimulationFailed, run_simulation
 
 Echo = Callable[[str], None]
@@ -155,16 +154,11 @@ def run_centralized_cell(cell: Cell, log_file: Path, *, timeout: float | None = 
                          echo: bool = False) -> dict[str, Any]:
     """Train one centralized reference in a child process (output to ``log_file``,
     killed after ``timeout`` seconds); return its summary."""
-    with tempfile.NamedTemporaryFile("wb", suffix=".toml", delete=False) as handle:
-        handle.write(tomli_w.dumps(cell.run_config).encode())
-        config_path = handle.name
     started = time.time()
-    try:
+    with run_config_file(cell.run_config) as config_path:
         code = run_logged(centralized_command(cell, config_path),
                           env={**os.environ, "PYTHONUNBUFFERED": "1"}, log_file=log_file,
                           timeout=timeout, echo=echo, what=f"centralized run {cell.name!r}")
-    finally:
-        os.unlink(config_path)
     summary_path = cell.run_dir / SUMMARY_JSON
     summary = read_json(summary_path)
     if code != 0 or not isinstance(summary, dict) or not summary.get("complete") \
@@ -193,7 +187,7 @@ class CellRunner:
     def close(self) -> None:
         self.link.close()
 
-    def __enter__(self) -> "CellRunner":
+    def __enter__(self) -> CellRunner:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -216,7 +210,7 @@ class GridOutcome:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def _write_failures(grid: Grid, failures: Mapping[str, Any]) -> None:

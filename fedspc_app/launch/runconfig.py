@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import re
+import tempfile
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+import tomli_w
 
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError
@@ -17,6 +22,18 @@ _KEY = r"[^\s=]+"
 _VALUE = r"""(?:"(?:[^"\\]|\\.)*"|'[^']*'|[^\s"']+)"""
 _PAIR_GROUPS = re.compile(rf"({_KEY})=({_VALUE})")
 _ASSIGNMENTS = re.compile(rf"\s*{_KEY}={_VALUE}(?:\s+{_KEY}={_VALUE})*\s*")
+
+
+@contextlib.contextmanager
+def run_config_file(run_config: Mapping[str, Any]) -> Iterator[str]:
+    """``run_config`` written to a temporary TOML file (for ``flwr run --run-config``);
+    the file is removed when the block ends."""
+    with tempfile.NamedTemporaryFile("wb", suffix=".toml", delete=False) as handle:
+        handle.write(tomli_w.dumps(dict(run_config)).encode())
+    try:
+        yield handle.name
+    finally:
+        os.unlink(handle.name)
 
 
 def app_defaults(app_dir: Path = APP_DIR) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from fedspc_app.launch.processes import (
     launch_failed,
     run_logged,
 )
-from fedspc_app.launch.runconfig import APP_DIR, resolve_run_config
+from fedspc_app.launch.runconfig import APP_DIR, resolve_run_config, run_config_file
 
 CONNECTION = "fedspc-sim"
 
@@ -68,7 +68,7 @@ class LocalSuperLink:
         """The ``flower-superlink`` process while it is owned (None before start, after stop)."""
         return self._owned.process if self._owned else None
 
-    def start(self) -> "LocalSuperLink":
+    def start(self) -> LocalSuperLink:
         """Start it and wait for ``/health``; :class:`LaunchFailed` (quoting the log's
         tail) if it exits or stays silent for ``startup_timeout`` s."""
         self.flwr_home.mkdir(parents=True, exist_ok=True)
@@ -107,7 +107,7 @@ class LocalSuperLink:
             self._owned.stop(timeout)
             self._owned = None
 
-    def __enter__(self) -> "LocalSuperLink":
+    def __enter__(self) -> LocalSuperLink:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -127,19 +127,14 @@ def flwr_run(superlink: LocalSuperLink, run_config: Mapping[str, Any], *, client
 
     The run's output goes to ``log_file`` (and to stdout when ``echo``).
     """
-    with tempfile.NamedTemporaryFile("wb", suffix=".toml", delete=False) as handle:
-        handle.write(tomli_w.dumps(dict(run_config)).encode())
-        config_path = handle.name
-    command = [
-        console_script("flwr"), "run", str(app_dir), CONNECTION, "--stream",
-        "--run-config", config_path,
-        "--federation-config", federation_config(clients, client_cpus, client_gpus),
-    ]
-    try:
+    with run_config_file(run_config) as config_path:
+        command = [
+            console_script("flwr"), "run", str(app_dir), CONNECTION, "--stream",
+            "--run-config", config_path,
+            "--federation-config", federation_config(clients, client_cpus, client_gpus),
+        ]
         return run_logged(command, env=flower_env(superlink.flwr_home), log_file=log_file,
                           timeout=timeout, echo=echo, what="flwr run")
-    finally:
-        os.unlink(config_path)
 
 
 class SimulationFailed(RuntimeError):

@@ -1,0 +1,118 @@
+"""Which clients a round messages: a fraction of the K partitions, drawn from the seed.
+
+Flower's own sampling draws node ids with the unseeded ``random`` module and waits,
+with no limit, until all K nodes are connected. Here a round draws partition ids
+with a generator seeded by the run's seed, the round and the phase, so a run, the
+same run again and its resumed continuation (whose simulated nodes get new ids)
+message the same clients. A round waits at most ``node_wait`` seconds for missing
+nodes, then goes on with the connected ones; a drawn client that is not connected
+counts as a sampled client that did not reply, and the round failure policy decides.
+
+With partial participation the sampler first learns each node's partition id: from
+the replies it sees, and for a node it has not heard from, with one small query
+(``NODE_QUERY``; nothing is loaded on the node).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from logging import INFO, WARNING
+
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+from fedspc_app.core.protocol import NODE_QUERY, PARTITION_ID
+
+QUERY_TIMEOUT = 120.0  # seconds for the nodes' partition ids (a node answers from memory)
+
+
+class PartitionSampler:
+    """Draws the clients of each round over partition ids.
+
+    Parameters
+    ----------
+    num_partitions : int
+        K, the number of clients of the run.
+    seed : int
+        The run's seed; with the round and the phase it fixes every draw.
+    node_wait : float
+        Seconds a round waits for missing nodes to connect before it samples among
+        the connected ones.
+    wait_for : int (default: K)
+        How many connected nodes a round waits for.
+    """
+
+    def __init__(self, num_partitions: int, *, seed: int = 0, node_wait: float = 120.0,
+                 wait_for: int = 0) -> None:
+        self.num_partitions = num_partitions
+        self.seed = seed
+        self.node_wait = node_wait
+        self.wait_for = wait_for or num_partitions
+        self.partition_of: dict[int, int] = {}  # node id -> partition id, newest last
+
+    def learn(self, node_id: int, partition_id: int) -> None:
+        """Record that ``node_id`` holds ``partition_id`` (a later node for it wins)."""
+        self.partition_of.pop(node_id, None)
+        self.partition_of[node_id] = partition_id
+
+    def draw(self, server_round: int, fraction: float, phase: str) -> list[int]:
+        """The partition ids drawn for ``phase`` of ``server_round``, sorted."""
+        size = min(self.num_partitions, max(1, int(self.num_partitions * fraction)))
+        if size == self.num_partitions:
+            return list(range(self.num_partitions))
+        generator = random.Random(f"{self.seed}/{phase}/{server_round}")
+        return sorted(generator.sample(range(self.num_partitions), size))
+
+    def connected(self, grid: Grid) -> list[int]:
+        """The connected node ids, after waiting up to ``node_wait`` for ``wait_for``."""
+        deadline = time.monotonic() + self.node_wait
+        while True:
+            nodes = sorted(grid.get_node_ids())
+            if len(nodes) >= self.wait_for or time.monotonic() >= deadline:
+                break
+            log(INFO, "Waiting for clients: %d of %d connected", len(nodes), self.wait_for)
+            time.sleep(1.0)
+        if len(nodes) < self.wait_for:
+            log(WARNING, "%d of %d clients connected after %.0f s; going on with them",
+                len(nodes), self.wait_for, self.node_wait)
+        return nodes
+
+    def ask(self, grid: Grid, nodes: Sequence[int]) -> None:
+        """Learn the partition id of every node in ``nodes`` not heard from yet."""
+        unknown = [node for node in nodes if node not in self.partition_of]
+        if not unknown:
+            return
+        log(INFO, "Asking %d client(s) for their partition id", len(unknown))
+        messages = [Message(RecordDict({"config": ConfigRecord({"query": NODE_QUERY})}),
+                            dst_node_id=node, message_type=MessageType.QUERY)
+                    for node in unknown]
+        for reply in grid.send_and_receive(messages, timeout=QUERY_TIMEOUT):
+            node = reply.metadata.src_node_id
+            partition_id = (None if reply.has_error() else
+                            reply.content.metric_records.get("metrics", {}).get(PARTITION_ID))
+            if isinstance(partition_id, int) and 0 <= partition_id < self.num_partitions:
+                self.learn(node, partition_id)
+            else:
+                log(WARNING, "node %d did not tell its partition id (%s); it is not sampled",
+                    node, reply.error.reason if reply.has_error() else partition_id)
+
+    def sample(self, grid: Grid, server_round: int, fraction: float,
+               phase: str) -> tuple[list[int], int]:
+        """The node ids to message and the number of clients drawn.
+
+        Every connected node when the whole federation is drawn (the ``wait_for``
+        nodes expected, of which the missing count as drawn); otherwise the nodes of the
+        drawn partitions that are connected.
+        """
+        drawn = self.draw(server_round, fraction, phase)
+        nodes = self.connected(grid)
+        if len(drawn) == self.num_partitions:
+            return nodes, max(len(nodes), self.wait_for)
+        self.ask(grid, nodes)
+        online = set(nodes)
+        node_of = {partition: node for node, partition in self.partition_of.items()
+                   if node in online}
+        return [node_of[p] for p in drawn if p in node_of], len(drawn)

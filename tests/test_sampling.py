@@ -1,0 +1,150 @@
+"""Each round's clients: drawn over partition ids from the seed (strategies.sampling)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from virtual_clock import Clock
+
+from fedspc_app.core.protocol import NODE_QUERY
+from fedspc_app.core.task import to_record
+from strategies import FedSPC, PersonalizedFedAvg, sampling
+from strategies.sampling import PartitionSampler
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+
+@pytest.fixture(autouse=True)
+def clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(sampling, "time", clock)
+    return clock
+
+
+class Nodes:
+    """A Grid with ``nodes`` (node id -> partition id) that answers partition queries."""
+
+    def __init__(self, nodes: dict[int, int]) -> None:
+        self.nodes = nodes
+        self.queried: list[int] = []
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = []
+        for message in messages:
+            assert message.metadata.message_type == MessageType.QUERY
+            assert message.content.config_records["config"]["query"] == NODE_QUERY
+            node = message.metadata.dst_node_id
+            self.queried.append(node)
+            reply = Message(RecordDict({"metrics": MetricRecord(
+                {"partition-id": self.nodes[node]})}), reply_to=message)
+            reply.metadata.__dict__["_src_node_id"] = node
+            replies.append(reply)
+        return replies
+
+
+def with_ids(ids) -> dict[int, int]:
+    return {node: partition for partition, node in enumerate(ids)}
+
+
+def test_the_draw_is_a_function_of_seed_round_and_phase():
+    sampler = PartitionSampler(10, seed=3)
+    first = sampler.draw(5, 0.3, "train")
+    assert len(first) == 3 and first == sorted(set(first))
+    assert PartitionSampler(10, seed=3).draw(5, 0.3, "train") == first
+    draws = {tuple(sampler.draw(r, 0.3, "train")) for r in range(1, 21)}
+    assert len(draws) > 10  # rounds draw different clients
+
+    def run(sampler, phase):
+        return [sampler.draw(r, 0.3, phase) for r in range(1, 21)]
+
+    assert run(sampler, "evaluate") != run(sampler, "train")
+    assert run(PartitionSampler(10, seed=4), "train") != run(sampler, "train")
+    assert sampler.draw(1, 1.0, "train") == list(range(10))
+    assert sampler.draw(1, 0.01, "train") == sampler.draw(1, 0.01, "train")
+    assert len(sampler.draw(1, 0.01, "train")) == 1  # at least one client
+
+
+def test_the_same_partitions_are_sampled_whatever_the_node_ids():
+    chosen = []
+    for ids in ([11, 12, 13, 14, 15, 16], [906, 4, 77, 1000, 52, 8]):
+        grid = Nodes(with_ids(ids))
+        sampler = PartitionSampler(6, seed=0)
+        nodes, drawn = sampler.sample(grid, 2, 0.5, "train")
+        assert drawn == 3 and sorted(grid.queried) == sorted(ids)
+        chosen.append([grid.nodes[n] for n in nodes])
+        # Asked once: the next round uses what it learnt.
+        sampler.sample(grid, 3, 0.5, "train")
+        assert len(grid.queried) == 6
+    assert chosen[0] == chosen[1]
+
+
+def test_every_connected_node_when_the_whole_federation_is_drawn():
+    grid = Nodes(with_ids([5, 9, 2]))
+    nodes, drawn = PartitionSampler(3).sample(grid, 1, 1.0, "train")
+    assert nodes == [2, 5, 9] and drawn == 3
+    assert grid.queried == []  # no query is needed
+
+
+def test_a_missing_node_is_waited_for_then_counted_as_not_replying(clock):
+    grid = Nodes(with_ids([21, 22, 23, 24]))
+    del grid.nodes[23]  # partition 2 is gone
+    sampler = PartitionSampler(4, seed=0, node_wait=30.0)
+    nodes, drawn = sampler.sample(grid, 1, 1.0, "train")
+    assert 30.0 <= clock.now < 32.0  # waited node-wait seconds, not forever
+    assert nodes == [21, 22, 24] and drawn == 4
+    for server_round in range(1, 30):  # find a round whose draw includes partition 2
+        partitions = sampler.draw(server_round, 0.5, "train")
+        if 2 in partitions:
+            break
+    nodes, drawn = sampler.sample(grid, server_round, 0.5, "train")
+    assert drawn == 2 and [grid.nodes[n] for n in nodes] == [p for p in partitions if p != 2]
+
+
+def test_replies_teach_the_partition_of_a_node():
+    strategy = PersonalizedFedAvg(shared_keys=["w"], num_partitions=2, fraction_train=0.5)
+    strategy.broadcast = {"w": np.zeros(2, np.float32)}
+    for node, partition in ((40, 0), (41, 1)):
+        reply = Message(RecordDict({
+            "arrays": to_record({"w": np.ones(2, np.float32)}),
+            "metrics": MetricRecord({"num-examples": 5, "partition-id": partition})}),
+            reply_to=Message(RecordDict(), dst_node_id=node,
+                             message_type=MessageType.TRAIN))
+        reply.metadata.__dict__["_src_node_id"] = node
+        assert strategy.check_reply(reply) is None
+    assert strategy.sampler.partition_of == {40: 0, 41: 1}
+    grid = Nodes({40: 0, 41: 1})
+    messages = strategy.configure_train(2, to_record({"w": np.zeros(2, np.float32)}),
+                                        ConfigRecord(), grid)
+    assert grid.queried == [] and len(messages) == 1 and strategy.sampled == 1
+
+
+def test_fedspc_divides_by_the_runs_clients_not_by_the_connected_nodes():
+    # Three clients in the run; the grid also lists a stale fourth node id. One client
+    # trains, with a reference change c: u_bar must become c / 3.
+    inner = PersonalizedFedAvg(shared_keys=["w"], num_partitions=3)
+    strategy = FedSPC(inner, corrected_keys=["w"], learning_rate=0.5, upload="explicit")
+    grid = Nodes(with_ids([1, 2, 3, 4]))
+    messages = list(strategy.configure_train(
+        1, ArrayRecord({"w": to_record({"w": np.zeros(2, np.float32)})["w"]}),
+        ConfigRecord(), grid))
+    change = np.array([3.0, -6.0], np.float32)
+    reply = Message(RecordDict({
+        "arrays": to_record({"w": np.array([0.5, 0.5], np.float32)}),
+        "reference-change": to_record({"w": change}),
+        "metrics": MetricRecord({"num-examples": 4, "partition-id": 0, "shared-steps": 2})}),
+        reply_to=messages[0])
+    reply.metadata.__dict__["_src_node_id"] = messages[0].metadata.dst_node_id
+    strategy.strategy.min_train_replies = 0.1
+    strategy.aggregate_train(1, [reply])
+    np.testing.assert_allclose(strategy.global_reference["w"], change / 3)
