@@ -230,7 +230,7 @@ def train(message: Message, context: Context) -> Message:
     outcome = train_client(**arguments, global_reference=global_reference)
     ledger.stage(outcome.state)
     worked = time.perf_counter()
-    metrics = {**outcome.metrics, "partition-id": setup.partition_id,
+    metrics = {**outcome.metrics, PARTITION_ID: setup.partition_id,
                **timings(started, working, worked)}
     content = RecordDict({ARRAYS: to_record(outcome.shared), METRICS: MetricRecord(metrics)})
     upload = message_config(message).get("reference-upload")
@@ -253,7 +253,7 @@ def evaluate(message: Message, context: Context) -> Message:
         "correct": outcome.correct,
         "loss-sum": outcome.loss_sum,
         "accuracy": outcome.accuracy,
-        "partition-id": setup.partition_id,
+        PARTITION_ID: setup.partition_id,
         **timings(started, working, time.perf_counter()),
     })
     return Message(content=RecordDict({METRICS: metrics}), reply_to=message)
@@ -291,7 +291,7 @@ def query(message: Message, context: Context) -> Message:
         int(partition.test_counts()[partition_id].sum()),
         f"kept in {store.directory}" if store else "in memory only")
     metrics = MetricRecord({
-        "partition-id": partition_id,
+        PARTITION_ID: partition_id,
         "num-partitions": num_partitions,
         "num-classes": partition.num_classes,
         "tries": partition.tries,

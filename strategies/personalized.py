@@ -50,12 +50,10 @@ METRICS = "metrics"
 ACCEPTED_ROUNDS = "accepted-rounds"
 DURABLE_THROUGH = "durable-through"
 RUN_TOKEN = "run-token"  # tells a resumed run's clients from another run's leftovers
-EVALUATION_KEYS = ("num-examples", "correct", "loss-sum", "partition-id")
+EVALUATION_KEYS = ("num-examples", "correct", "loss-sum", PARTITION_ID)
 # Optional reply metrics: a client's seconds spent on setup and on the work itself;
 # the aggregates sum them over the clients (``client-setup-seconds`` and so on).
 TIMINGS = (SETUP_SECONDS, WORK_SECONDS)
-
-
 
 
 def accuracy_before_aggregation(metrics: Sequence[MetricRecord]) -> dict[str, float | list]:
@@ -297,7 +295,7 @@ class PersonalizedFedAvg(FedAvg):
         for message in replies:
             reason = self.check_reply(message) or (check(message) if check else None)
             if reason is None:
-                partition = message.content.metric_records[METRICS]["partition-id"]
+                partition = message.content.metric_records[METRICS][PARTITION_ID]
                 if partition in partitions:
                     reason = f"a second reply for partition {partition}"
                 partitions.add(partition)
@@ -323,7 +321,7 @@ class PersonalizedFedAvg(FedAvg):
             return []
         # Sums of floats depend on their order, and replies arrive in any order: in
         # partition order, the same seed gives bit-identical aggregates.
-        return sorted(accepted, key=lambda m: m.content.metric_records[METRICS]["partition-id"])
+        return sorted(accepted, key=lambda m: m.content.metric_records[METRICS][PARTITION_ID])
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -341,7 +339,7 @@ class PersonalizedFedAvg(FedAvg):
         updates = [from_record(m.content.array_records[ARRAYS]) for m in accepted]
         metrics = [m.content.metric_records[METRICS] for m in accepted]
         for record in metrics:
-            self.accepted_rounds[int(record["partition-id"])] = server_round
+            self.accepted_rounds[int(record[PARTITION_ID])] = server_round
         if self.aggregation == "weighted":
             weights = [float(m["num-examples"]) for m in metrics]
         else:
@@ -361,7 +359,7 @@ class PersonalizedFedAvg(FedAvg):
             "examples-seen": int(sum(int(m.get("examples-seen", 0)) for m in metrics)),
             # Rounds each client has completed, as its persisted state says.
             "min-rounds-trained": int(min(int(m.get("rounds-trained", 0)) for m in metrics)),
-            "train-client-ids": [int(m["partition-id"]) for m in metrics],
+            "train-client-ids": [int(m[PARTITION_ID]) for m in metrics],
             **summed_timings(metrics),
             **drift,
             **accuracy_before_aggregation(metrics),
@@ -398,7 +396,7 @@ class PersonalizedFedAvg(FedAvg):
             reason = self.check_evaluation(message)
             if reason is None:
                 metrics = message.content.metric_records[METRICS]
-                partition = int(metrics["partition-id"])
+                partition = int(metrics[PARTITION_ID])
                 if partition in rows:
                     reason = f"a second evaluation of partition {partition}"
                 else:
