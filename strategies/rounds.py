@@ -52,33 +52,53 @@ def record_durations(durations: dict[int, float], replies: Iterable[Message]) ->
             durations[reply.metadata.src_node_id] = seconds
 
 
+def dispatch_waves(messages: list[Message], expected: Mapping[int, float] | None,
+                   max_waves: int) -> list[list[Message]]:
+    """``messages`` longest first (by ``expected``, a node's seconds for its last
+    message of this kind), cut into at most ``max_waves`` waves of near-equal size.
+
+    A node without a history counts as the longest; ties keep the given order. With
+    no history at all there is nothing to order by: one wave.
+    """
+    if not expected or len(messages) < 2 or max_waves < 2:
+        return [messages] if messages else []
+    ordered = sorted(messages,
+                     key=lambda m: -expected.get(m.metadata.dst_node_id, math.inf))
+    count = min(max_waves, len(ordered))
+    size, extra = divmod(len(ordered), count)
+    waves, start = [], 0
+    for index in range(count):
+        end = start + size + (1 if index < extra else 0)
+        waves.append(ordered[start:end])
+        start = end
+    return waves
+
+
 def exchange(grid: Grid, messages: Iterable[Message], *, timeout: float | None,
              expected: Mapping[int, float] | None = None, pull_interval: float = 0.1,
-             second_wave_after: float = 0.15) -> list[Message]:
+             wave_gap: float = 0.15, max_waves: int = 10) -> list[Message]:
     """Send ``messages`` and collect their replies until all came or ``timeout`` passed.
 
     Replies are pulled every ``pull_interval`` seconds (Flower's Grid waits 3 s
-    between pulls in a deployment, which every round paid twice). With ``expected``
-    (a node's seconds for its last message of this kind) the messages go out in two
-    waves: the longer half first, the shorter half ``second_wave_after`` seconds
-    later, so that the simulation engine, which queues the messages it finds in node
-    order, runs the short ones last and no worker idles at the end of the phase while
-    another finishes a long client. A node without a history counts as long.
-    Returns the replies in the order they came.
+    between pulls in a deployment, which every round paid twice).
+
+    With ``expected`` (a node's seconds for its last message of this kind) the
+    messages go out longest first, in up to ``max_waves`` waves ``wave_gap`` seconds
+    apart (see ``dispatch_waves``). The simulation engine looks for new messages every
+    0.1 s and queues those it finds in node order, so the gap makes its queue follow
+    the sending order: its workers run the longest clients first and the shortest
+    last, which keeps them all busy to the end of the phase (longest-processing-time
+    first). In a deployment, where every node starts at once, the delay falls on the
+    shortest clients. Returns the replies in the order they came.
     """
-    messages = list(messages)
-    waves = [messages]
-    if expected and len(messages) > 1:
-        ordered = sorted(messages,
-                         key=lambda m: -expected.get(m.metadata.dst_node_id, math.inf))
-        half = (len(ordered) + 1) // 2
-        waves = [ordered[:half], ordered[half:]]
+    waves = dispatch_waves(list(messages), expected, max_waves)
     deadline = None if timeout is None else time.monotonic() + timeout
-    waiting = set(grid.push_messages(waves[0]))
+    waiting: set[str] = set()
+    for index, wave in enumerate(waves):
+        if index:
+            time.sleep(wave_gap)
+        waiting.update(grid.push_messages(wave))
     replies: list[Message] = []
-    if len(waves) > 1:
-        time.sleep(second_wave_after)
-        waiting.update(grid.push_messages(waves[1]))
     while waiting:
         pulled = list(grid.pull_messages(waiting))
         replies.extend(pulled)
