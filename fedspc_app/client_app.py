@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import os
 import time
 from dataclasses import dataclass, replace
 from logging import INFO, WARNING
@@ -28,6 +29,8 @@ from fedspc_app.core.protocol import (
     NODE_QUERY,
     PARTITION_ID,
     PARTITION_QUERY,
+    HANDLER_STARTED_AT,
+    PROCESS_STARTED_AT,
     SETUP_SECONDS,
     WORK_SECONDS,
 )
@@ -215,11 +218,42 @@ def timings(started: float, working: float, finished: float) -> dict[str, float]
     return {SETUP_SECONDS: working - started, WORK_SECONDS: finished - working}
 
 
+def process_started_at() -> float | None:
+    """This process's start as a wall-clock epoch (Linux ``/proc``; None elsewhere)."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as stat:
+            # Field 22, counted after the parenthesised command name: clock ticks
+            # since boot.
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat", encoding="ascii") as boot:
+            booted = next(int(line.split()[1]) for line in boot
+                          if line.startswith("btime "))
+        return booted + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+_FIRST_MESSAGE = {"pending": True}
+
+
+def first_message_times(handler_started_at: float) -> dict[str, float]:
+    """On the first message this process handles: when the process and the handler
+    started (wall-clock epochs); on later messages nothing."""
+    if not _FIRST_MESSAGE["pending"]:
+        return {}
+    _FIRST_MESSAGE["pending"] = False
+    started = process_started_at()
+    times = {HANDLER_STARTED_AT: handler_started_at}
+    if started is not None:
+        times[PROCESS_STARTED_AT] = started
+    return times
+
+
 @app.train()
 def train(message: Message, context: Context) -> Message:
     """One round of local training; its new state stays pending until the server
     says whether it aggregated the reply (see :class:`clients.state.ClientLedger`)."""
-    started = time.perf_counter()
+    started, started_at = time.perf_counter(), time.time()
     setup = ClientSetup.from_message(message, context)
     ledger, state = setup.load_state(message, context)
     global_reference = None
@@ -231,7 +265,7 @@ def train(message: Message, context: Context) -> Message:
     ledger.stage(outcome.state)
     worked = time.perf_counter()
     metrics = {**outcome.metrics, PARTITION_ID: setup.partition_id,
-               **timings(started, working, worked)}
+               **timings(started, working, worked), **first_message_times(started_at)}
     content = RecordDict({ARRAYS: to_record(outcome.shared), METRICS: MetricRecord(metrics)})
     upload = message_config(message).get("reference-upload")
     if upload == "explicit" and outcome.reference_change is not None:
@@ -242,7 +276,7 @@ def train(message: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(message: Message, context: Context) -> Message:
     """Personalized accuracy on this client's own test split."""
-    started = time.perf_counter()
+    started, started_at = time.perf_counter(), time.time()
     setup = ClientSetup.from_message(message, context)
     _, state = setup.load_state(message, context)
     arguments = setup.arguments(message, state)
@@ -255,6 +289,7 @@ def evaluate(message: Message, context: Context) -> Message:
         "accuracy": outcome.accuracy,
         PARTITION_ID: setup.partition_id,
         **timings(started, working, time.perf_counter()),
+        **first_message_times(started_at),
     })
     return Message(content=RecordDict({METRICS: metrics}), reply_to=message)
 

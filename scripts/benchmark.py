@@ -114,6 +114,14 @@ def print_comparison(plain: dict, flower: list[dict], flower_total: float,
               f"{engine:>5.2f} ({first[3]:.2f})")
     print("client setup and work are the clients' own timings divided by the clients "
           "running at once; engine is the phase's wall time left after them")
+    first = flower[0]
+    if "train-worker-ready-seconds" in first:
+        start = first.get("train-worker-start-seconds")
+        print(f"round 1: the last new worker process "
+              + (f"started {start:.2f} s after the training messages were sent "
+                 "(Ray starting its workers), and " if start is not None else "")
+              + f"began its first message {first['train-worker-ready-seconds']:.2f} s "
+              "after them (loading the ClientApp and its imports)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedspc_app.core.errors import FedSPCError
+from fedspc_app.core.protocol import HANDLER_STARTED_AT, PROCESS_STARTED_AT
 from strategies.personalized import METRICS, TIMINGS, RoundReport
 
 Trained = Callable[[int, ArrayRecord, MetricRecord | None, RoundReport], None]
@@ -28,6 +29,10 @@ RoundEnd = Callable[[int, MetricRecord | None, MetricRecord | None, RoundReport 
 # Wall seconds of a round's training or evaluation phase: from sending the messages
 # to the end of the aggregation.
 PHASE_SECONDS = "phase-seconds"
+# In a phase that met new ClientApp processes (a simulation's round 1): seconds from
+# sending its messages until the last new process had started, and until the last
+# one began handling its first message (see worker_startup).
+WORKER_START_SECONDS, WORKER_READY_SECONDS = "worker-start-seconds", "worker-ready-seconds"
 
 
 class TooManyFailedRounds(FedSPCError):
@@ -72,6 +77,36 @@ def dispatch_waves(messages: list[Message], expected: Mapping[int, float] | None
         waves.append(ordered[start:end])
         start = end
     return waves
+
+
+def worker_startup(replies: Iterable[Message], sent_at: float) -> dict[str, float]:
+    """How long the new ClientApp processes of a phase sent at ``sent_at`` (a
+    wall-clock epoch) took to come up, from the replies to their first message.
+
+    ``worker-start-seconds``: until the last of them had started (0 for processes
+    that were already running: in a simulation, Ray and its workers starting);
+    ``worker-ready-seconds``: until the last began its first handler (the start, then
+    loading the ClientApp and its imports, and waiting for a message). Empty when no
+    reply is a process's first. Both sides must share a clock: a simulation.
+    """
+    started, ready = [], []
+    for reply in replies:
+        if reply.has_error() or METRICS not in reply.content.metric_records:
+            continue
+        metrics = reply.content.metric_records[METRICS]
+        handler = metrics.get(HANDLER_STARTED_AT)
+        if not isinstance(handler, float) or not math.isfinite(handler):
+            continue
+        ready.append(max(0.0, handler - sent_at))
+        process = metrics.get(PROCESS_STARTED_AT)
+        if isinstance(process, float) and math.isfinite(process):
+            started.append(max(0.0, process - sent_at))
+    out = {}
+    if started:
+        out[WORKER_START_SECONDS] = max(started)
+    if ready:
+        out[WORKER_READY_SECONDS] = max(ready)
+    return out
 
 
 def exchange(grid: Grid, messages: Iterable[Message], *, timeout: float | None,
@@ -134,7 +169,7 @@ def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
         log(INFO, "[ROUND %d/%d]", server_round, num_rounds)
         train_metrics = resumed_train_metrics
         if not (evaluate_first and server_round == first_round):
-            started = time.perf_counter()
+            started, sent_at = time.perf_counter(), time.time()
             replies = exchange(
                 grid, strategy.configure_train(server_round, arrays, train_config, grid),
                 timeout=timeout, expected=durations["train"])
@@ -142,6 +177,7 @@ def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
             aggregated, train_metrics = strategy.aggregate_train(server_round, replies)
             if train_metrics is not None:
                 train_metrics[PHASE_SECONDS] = time.perf_counter() - started
+                train_metrics.update(worker_startup(replies, sent_at))
             report = strategy.report
             if aggregated is not None:
                 arrays = aggregated
@@ -161,7 +197,7 @@ def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
         evaluate_metrics = None
         if last or server_round % evaluate_every == 0:
             strategy.fraction_evaluate = 1.0 if last else evaluate_fraction
-            started = time.perf_counter()
+            started, sent_at = time.perf_counter(), time.time()
             replies = exchange(
                 grid, strategy.configure_evaluate(server_round, arrays, evaluate_config,
                                                   grid),
@@ -170,6 +206,7 @@ def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
             evaluate_metrics = strategy.aggregate_evaluate(server_round, replies)
             if evaluate_metrics is not None:
                 evaluate_metrics[PHASE_SECONDS] = time.perf_counter() - started
+                evaluate_metrics.update(worker_startup(replies, sent_at))
         if on_round_end is not None:
             on_round_end(server_round, train_metrics, evaluate_metrics, strategy.report)
         evaluate_first = False

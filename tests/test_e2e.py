@@ -43,6 +43,12 @@ def test_fedavg_on_digits_writes_metrics(superlink, tmp_path):
     assert rounds[-1]["accuracy"] > rounds[0]["accuracy"]  # it learns
     assert rounds[-1]["accuracy"] > 0.3  # digits, 3 rounds: far above chance (0.1)
     assert all(r["bytes-sent"] > 0 and r["bytes-received"] > 0 for r in rounds)
+    # Ray's workers start in round 1's training and are reused afterwards.
+    first = rounds[0]
+    assert 0 <= first["train-worker-start-seconds"] <= first["train-worker-ready-seconds"]
+    assert first["train-worker-ready-seconds"] < first["train-seconds"]
+    assert not any(f"{phase}-worker-ready-seconds" in r for r in rounds[1:]
+                   for phase in ("train", "evaluate"))
     csv_lines = (run_dir / "metrics.csv").read_text().splitlines()
     assert csv_lines[0].startswith("round,accuracy") and len(csv_lines) == 4
     partition = json.loads((run_dir / "partition.json").read_text())

@@ -189,3 +189,20 @@ def test_expected_seconds_reads_setup_and_work():
 def _with_id(m: Message) -> Message:
     m.metadata.__dict__["_message_id"] = f"m{next(_ids)}"
     return m
+
+
+def _timed_reply(**metrics) -> Message:
+    return Message(RecordDict({"metrics": MetricRecord(metrics)}),
+                   reply_to=_with_id(message(1)))
+
+
+def test_worker_startup_is_read_from_the_replies_to_a_process_first_message():
+    sent = 1_000_000.0
+    replies = [
+        _timed_reply(**{"process-started-at": sent + 2.5, "handler-started-at": sent + 4.0}),
+        _timed_reply(**{"process-started-at": sent - 60.0, "handler-started-at": sent + 0.5}),
+        _timed_reply(**{"work-seconds": 3.0}),  # a process's later message
+    ]
+    assert rounds.worker_startup(replies, sent) == {"worker-start-seconds": 2.5,
+                                                    "worker-ready-seconds": 4.0}
+    assert rounds.worker_startup(replies[2:], sent) == {}

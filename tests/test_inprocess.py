@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -285,3 +286,26 @@ def test_accuracy_before_aggregation_is_the_trained_model_of_each_client(method)
     row = metrics["rounds"][-1]
     assert set(row["client-accuracy-before-aggregation"]) == {"0", "1", "2"}
     assert row["accuracy-before-aggregation"] != row["accuracy"]
+
+
+def test_only_a_process_first_message_reports_when_the_process_and_handler_started(
+        monkeypatch):
+    import fedspc_app.client_app as client_app
+
+    monkeypatch.setitem(client_app._FIRST_MESSAGE, "pending", True)
+    first = client_app.first_message_times(123.0)
+    assert first["handler-started-at"] == 123.0
+    assert first["process-started-at"] <= time.time()
+    assert client_app.first_message_times(456.0) == {}
+
+
+def test_a_process_start_is_read_as_a_wall_clock_epoch():
+    import subprocess
+    import sys
+
+    spawned = time.time()
+    child = subprocess.run(
+        [sys.executable, "-c", "import fedspc_app.client_app as c; print(c.process_started_at())"],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
+    # /proc gives the boot time in whole seconds and the start in clock ticks.
+    assert abs(float(child.stdout) - spawned) < 2.0

@@ -13,3 +13,8 @@ PARTITION_ID = "partition-id"
 SHARED_STEPS = "shared-steps"  # optimizer steps that updated the shared block (FedSPC's E)
 LOCAL_CORRECT, LOCAL_EXAMPLES = "local-correct", "local-examples"  # before aggregation
 SETUP_SECONDS, WORK_SECONDS = "setup-seconds", "work-seconds"
+# On the first message a ClientApp process handles, and only then: wall-clock epochs of
+# the process's start and of that handler's start. The server turns them into how
+# long new workers took to come up (strategies.rounds.worker_startup); meaningful
+# where server and clients share a clock (a simulation, one machine).
+PROCESS_STARTED_AT, HANDLER_STARTED_AT = "process-started-at", "handler-started-at"

@@ -30,11 +30,14 @@ from flwr.serverapp import Grid
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.files import atomic_write
 
-# Where a round's time went (README: Speed): each phase's wall time, and the sums over
-# its clients of their setup and work seconds (``<phase>-<field>`` from the phase's
+# Where a round's time went (README: Speed): each phase's wall time, the sums over
+# its clients of their setup and work seconds, and in a phase that met new ClientApp
+# processes how long they took to come up (``<phase>-<field>`` from the phase's
 # aggregate metric ``<key>``).
 TIMINGS = {"seconds": "phase-seconds", "client-setup-seconds": "client-setup-seconds",
-           "client-work-seconds": "client-work-seconds"}
+           "client-work-seconds": "client-work-seconds",
+           "worker-start-seconds": "worker-start-seconds",
+           "worker-ready-seconds": "worker-ready-seconds"}
 TIMING_COLUMNS = tuple(f"{phase}-{field}" for phase in ("train", "evaluate")
                        for field in TIMINGS)
 # The drift diagnostics of a round's training replies (strategies/drift.py): scalars,
