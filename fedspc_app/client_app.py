@@ -26,10 +26,10 @@ from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.protocol import (
+    HANDLER_STARTED_AT,
     NODE_QUERY,
     PARTITION_ID,
     PARTITION_QUERY,
-    HANDLER_STARTED_AT,
     PROCESS_STARTED_AT,
     SETUP_SECONDS,
     WORK_SECONDS,

@@ -117,7 +117,7 @@ def print_comparison(plain: dict, flower: list[dict], flower_total: float,
     first = flower[0]
     if "train-worker-ready-seconds" in first:
         start = first.get("train-worker-start-seconds")
-        print(f"round 1: the last new worker process "
+        print("round 1: the last new worker process "
               + (f"started {start:.2f} s after the training messages were sent "
                  "(Ray starting its workers), and " if start is not None else "")
               + f"began its first message {first['train-worker-ready-seconds']:.2f} s "

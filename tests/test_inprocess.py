@@ -20,11 +20,11 @@ from flwr.app import Context, MessageType, RecordDict
 from inprocess import InProcessGrid
 
 from fedspc_app import client_app, server_app
-from fedspc_app.serial import run_serial
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.datasets import load_dataset
 from fedspc_app.core.methods import METHODS, get_method
 from fedspc_app.core.task import from_record, make_model, parameter_split
+from fedspc_app.serial import run_serial
 
 NUM_CLIENTS = 3
 OUTPUT = Path(tempfile.mkdtemp(prefix="fedspc-inprocess-"))
@@ -290,8 +290,6 @@ def test_accuracy_before_aggregation_is_the_trained_model_of_each_client(method)
 
 def test_only_a_process_first_message_reports_when_the_process_and_handler_started(
         monkeypatch):
-    import fedspc_app.client_app as client_app
-
     monkeypatch.setitem(client_app._FIRST_MESSAGE, "pending", True)
     first = client_app.first_message_times(123.0)
     assert first["handler-started-at"] == 123.0
