@@ -123,10 +123,20 @@ def exchange(grid: Grid, messages: Iterable[Message], *, timeout: float | None,
     0.1 s and queues those it finds in node order, so the gap makes its queue follow
     the sending order: its workers run the longest clients first and the shortest
     last, which keeps them all busy to the end of the phase (longest-processing-time
-    first). In a deployment, where every node starts at once, the delay falls on the
-    shortest clients. Returns the replies in the order they came.
+    first). The gaps add up to at most a quarter of the longest expected message, so
+    short phases go out in fewer waves. In a deployment, where every node starts at
+    once, the delay falls on the shortest clients. Returns the replies in the order
+    they came.
     """
-    waves = dispatch_waves(list(messages), expected, max_waves)
+    messages = list(messages)
+    known = [expected[m.metadata.dst_node_id] for m in messages
+             if expected and m.metadata.dst_node_id in expected]
+    if known and wave_gap > 0:
+        # Short messages (an evaluation) gain little from the order and would wait on
+        # the gaps: the waves together delay the last by at most a quarter of the
+        # longest message.
+        max_waves = min(max_waves, 1 + int(0.25 * max(known) / wave_gap))
+    waves = dispatch_waves(messages, expected, max_waves)
     deadline = None if timeout is None else time.monotonic() + timeout
     waiting: set[str] = set()
     for index, wave in enumerate(waves):

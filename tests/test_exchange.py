@@ -77,6 +77,15 @@ def test_longest_first_one_wave_each_and_nodes_without_history_count_as_long(clo
     assert clock.sleeps[:4] == [0.15] * 4  # one gap before each later wave
 
 
+def test_short_messages_go_out_in_fewer_waves(clock):
+    grid = ScriptedGrid(clock)
+    # The longest is 0.7 s: the gaps may add up to 0.175 s, one gap of 0.15 s.
+    expected = {1: 0.3, 2: 0.7, 3: 0.5, 4: 0.4}
+    exchange(grid, [message(n) for n in (1, 2, 3, 4)], timeout=5, expected=expected,
+             wave_gap=0.15)
+    assert grid.waves == [[2, 3], [4, 1]]
+
+
 def test_more_messages_than_waves_are_cut_into_near_equal_waves_longest_first(clock):
     grid = ScriptedGrid(clock)
     expected = {n: float(n) for n in range(1, 8)}
