@@ -39,11 +39,18 @@ class TooManyFailedRounds(FedSPCError):
     """``max-failed-rounds`` rounds in a row failed."""
 
 
-def expected_seconds(reply: Message) -> float | None:
-    """A client's own seconds for a message (setup + work), from its reply's metrics."""
+def reply_metrics(reply: Message) -> MetricRecord | None:
+    """A reply's metrics record, or None for an error reply or one without it."""
     if reply.has_error() or METRICS not in reply.content.metric_records:
         return None
-    metrics = reply.content.metric_records[METRICS]
+    return reply.content.metric_records[METRICS]
+
+
+def expected_seconds(reply: Message) -> float | None:
+    """A client's own seconds for a message (setup + work), from its reply's metrics."""
+    metrics = reply_metrics(reply)
+    if metrics is None:
+        return None
     values = [metrics.get(key) for key in TIMINGS]
     if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
         return None
@@ -58,13 +65,20 @@ def record_durations(durations: dict[int, float], replies: Iterable[Message]) ->
 
 
 def dispatch_waves(messages: list[Message], expected: Mapping[int, float] | None,
-                   max_waves: int) -> list[list[Message]]:
+                   max_waves: int, wave_gap: float) -> list[list[Message]]:
     """``messages`` longest first (by ``expected``, a node's seconds for its last
     message of this kind), cut into at most ``max_waves`` waves of near-equal size.
 
     A node without a history counts as the longest; ties keep the given order. With
-    no history at all there is nothing to order by: one wave.
+    no history at all there is nothing to order by: one wave. Short messages (an
+    evaluation) gain little from the order and would wait on the gaps, so the
+    ``wave_gap`` seconds between waves add up to at most a quarter of the longest
+    expected message.
     """
+    known = [expected[m.metadata.dst_node_id] for m in messages
+             if expected and m.metadata.dst_node_id in expected]
+    if known and wave_gap > 0:
+        max_waves = min(max_waves, 1 + int(0.25 * max(known) / wave_gap))
     if not expected or len(messages) < 2 or max_waves < 2:
         return [messages] if messages else []
     ordered = sorted(messages,
@@ -91,10 +105,8 @@ def worker_startup(replies: Iterable[Message], sent_at: float) -> dict[str, floa
     """
     started, ready = [], []
     for reply in replies:
-        if reply.has_error() or METRICS not in reply.content.metric_records:
-            continue
-        metrics = reply.content.metric_records[METRICS]
-        handler = metrics.get(HANDLER_STARTED_AT)
+        metrics = reply_metrics(reply)
+        handler = None if metrics is None else metrics.get(HANDLER_STARTED_AT)
         if not isinstance(handler, float) or not math.isfinite(handler):
             continue
         ready.append(max(0.0, handler - sent_at))
@@ -128,15 +140,7 @@ def exchange(grid: Grid, messages: Iterable[Message], *, timeout: float | None,
     once, the delay falls on the shortest clients. Returns the replies in the order
     they came.
     """
-    messages = list(messages)
-    known = [expected[m.metadata.dst_node_id] for m in messages
-             if expected and m.metadata.dst_node_id in expected]
-    if known and wave_gap > 0:
-        # Short messages (an evaluation) gain little from the order and would wait on
-        # the gaps: the waves together delay the last by at most a quarter of the
-        # longest message.
-        max_waves = min(max_waves, 1 + int(0.25 * max(known) / wave_gap))
-    waves = dispatch_waves(messages, expected, max_waves)
+    waves = dispatch_waves(list(messages), expected, max_waves, wave_gap)
     deadline = None if timeout is None else time.monotonic() + timeout
     waiting: set[str] = set()
     for index, wave in enumerate(waves):
