@@ -8,12 +8,20 @@ updates u_bar as :class:`strategies.FedSPC` does. It is the baseline of
 sampled, its metrics are those of the Flower run with the same run-config, bit for
 bit (``tests/test_inprocess.py``). With ``fraction-train`` < 1 it samples its own
 clients, so only the work per round compares, not the metrics.
+
+With ``workers`` > 1 the clients of a phase run in that many spawned processes of
+one torch thread each, largest client first, as the simulation runs them; everything
+else (sampling, aggregation, the order of the sums) stays in this process. It
+separates what running clients in parallel processes costs on a machine from what
+Flower and Ray add on top (``scripts/benchmark.py --compare --plain-workers N``).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -42,8 +50,64 @@ def _sample(rng: np.random.Generator, num_clients: int, fraction: float) -> list
     return sorted(int(k) for k in rng.choice(num_clients, size=count, replace=False))
 
 
+class _Clients:
+    """The run's clients in one process: model, split, data and the client code."""
+
+    def __init__(self, config: RunConfig, num_clients: int) -> None:
+        self.config = config
+        self.method = get_method(config.method)
+        dataset = load_run_dataset(config)
+        load_partition(config, num_clients)
+        self.model = make_model(config, dataset)
+        self.split = parameter_split(self.model, self.method, shared_keys=config.shared_keys,
+                                     personal_keys=config.personal_keys)
+        # Every client starts from the common initial model (a fresh model in the apps).
+        self.initial = state_arrays(self.model, self.model.state_dict().keys())
+        self.data = [client_data(config, k, num_clients) for k in range(num_clients)]
+
+    def train(self, k: int, shared, state: ClientState, u_bar, server_round: int):
+        load_arrays(self.model, self.initial)
+        return train_client(config=self.config, method=self.method, model=self.model,
+                            split=self.split, received=shared, state=state,
+                            data=self.data[k], global_reference=u_bar,
+                            server_round=server_round, partition_id=k)
+
+    def evaluate(self, k: int, shared, state: ClientState, server_round: int):
+        load_arrays(self.model, self.initial)
+        return evaluate_client(config=self.config, method=self.method, model=self.model,
+                               split=self.split, received=shared, state=state,
+                               data=self.data[k], server_round=server_round,
+                               partition_id=k)
+
+
+_WORKER: _Clients | None = None
+
+
+def _start_worker(config: RunConfig, num_clients: int) -> None:
+    global _WORKER
+    import torch
+
+    torch.set_num_threads(1)
+    _WORKER = _Clients(config, num_clients)
+
+
+def _call_worker(name: str, *args):
+    return getattr(_WORKER, name)(*args)
+
+
+def _run_phase(pool: ProcessPoolExecutor | None, local: _Clients, name: str,
+               calls: dict[int, tuple]) -> dict[int, Any]:
+    """Run ``local.<name>(k, *calls[k])`` for every client k, in ``pool`` when given."""
+    if pool is None:
+        return {k: getattr(local, name)(k, *args) for k, args in calls.items()}
+    # Largest client first, each to the next free worker (as the round loop sends them).
+    ordered = sorted(calls, key=lambda k: -len(local.data[k].train_indices))
+    futures = {k: pool.submit(_call_worker, name, k, *calls[k]) for k in ordered}
+    return {k: futures[k].result() for k in calls}
+
+
 def run_serial(config: RunConfig, num_clients: int,
-               echo: Callable[[str], None] = print) -> dict[str, Any]:
+               echo: Callable[[str], None] = print, workers: int = 1) -> dict[str, Any]:
     """Run ``config.num_rounds`` rounds; return the setup time and one row per round.
 
     A row holds the RunRecorder's metric names (``accuracy``, ``loss``,
@@ -52,32 +116,34 @@ def run_serial(config: RunConfig, num_clients: int,
     ``evaluate-seconds``).
     """
     started = time.perf_counter()
-    method = get_method(config.method)
-    dataset = load_run_dataset(config)
-    load_partition(config, num_clients)
-    model = make_model(config, dataset)
-    split = parameter_split(model, method, shared_keys=config.shared_keys,
-                            personal_keys=config.personal_keys)
-    # Every client starts from the common initial model (a fresh model in the apps).
-    initial = state_arrays(model, model.state_dict().keys())
-    data = [client_data(config, k, num_clients) for k in range(num_clients)]
+    local = _Clients(config, num_clients)
+    pool = None
+    if workers > 1:
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_start_worker, initargs=(config, num_clients))
+    try:
+        return _rounds(config, num_clients, local, pool, started, echo)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+
+
+def _rounds(config: RunConfig, num_clients: int, local: _Clients,
+            pool: ProcessPoolExecutor | None, started: float,
+            echo: Callable[[str], None]) -> dict[str, Any]:
     states = [ClientState() for _ in range(num_clients)]
-    shared = state_arrays(model, split.shared)
-    corrected = uses_control_variates(method, config)
-    u_bar = zeros_like(shared, split.corrected) if corrected else None
+    shared = state_arrays(local.model, local.split.shared)
+    corrected = uses_control_variates(local.method, config)
+    u_bar = zeros_like(shared, local.split.corrected) if corrected else None
     rng = np.random.default_rng(config.seed)
     setup_seconds = time.perf_counter() - started
 
     rows = []
     for server_round in range(1, config.num_rounds + 1):
         round_started = time.perf_counter()
-        outcomes = {}
-        for k in _sample(rng, num_clients, config.fraction_train):
-            load_arrays(model, initial)
-            outcomes[k] = train_client(config=config, method=method, model=model,
-                                       split=split, received=shared, state=states[k],
-                                       data=data[k], global_reference=u_bar,
-                                       server_round=server_round, partition_id=k)
+        outcomes = _run_phase(pool, local, "train", {
+            k: (shared, states[k], u_bar, server_round)
+            for k in _sample(rng, num_clients, config.fraction_train)})
         ids = sorted(outcomes)
         weights = ([float(outcomes[k].metrics["num-examples"]) for k in ids]
                    if config.aggregation == "weighted" else [1.0] * len(ids))
@@ -104,13 +170,9 @@ def run_serial(config: RunConfig, num_clients: int,
         last = server_round == config.num_rounds
         if last or server_round % config.evaluate_every == 0:
             fraction = 1.0 if last else config.evaluate_fraction
-            results = {}
-            for k in _sample(rng, num_clients, fraction):
-                load_arrays(model, initial)
-                results[k] = evaluate_client(config=config, method=method, model=model,
-                                             split=split, received=shared, state=states[k],
-                                             data=data[k], server_round=server_round,
-                                             partition_id=k)
+            results = _run_phase(pool, local, "evaluate", {
+                k: (shared, states[k], server_round)
+                for k in _sample(rng, num_clients, fraction)})
             evaluated = sorted(results)
             accuracies = [results[k].correct / results[k].examples for k in evaluated]
             total_examples = sum(results[k].examples for k in evaluated)

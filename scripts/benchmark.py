@@ -15,6 +15,11 @@ agree, and where the simulation's time goes: its clients' setup (parsing the
 message, building the model, loading data and client state) and work (training,
 evaluation, saving state), and what is left (the engine: Ray, message encoding and
 transfer, scheduling).
+
+``--plain-workers N`` adds a third run: the plain loop with its clients in N
+spawned processes of one thread each (what the simulation does with one CPU per
+client, without Flower or Ray). Its row separates the cost of running clients in
+parallel processes on the machine from the cost of the engine.
 """
 
 from __future__ import annotations
@@ -50,8 +55,9 @@ def print_rounds(rounds: list[dict]) -> None:
               f"{row['bytes-received'] / 1e6:>9.2f} {100 * (row.get('accuracy') or 0):>8.2f}%")
 
 
-def run_plain(run_config: dict, clients: int, threads: int) -> dict:
-    """The plain loop, in this process, on ``threads`` torch threads."""
+def run_plain(run_config: dict, clients: int, threads: int, workers: int = 1) -> dict:
+    """The plain loop: in this process on ``threads`` torch threads, or its clients
+    in ``workers`` processes of one thread each."""
     import torch
 
     from fedspc_app.serial import run_serial
@@ -59,7 +65,7 @@ def run_plain(run_config: dict, clients: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     _, config = resolve_run_config(run_config)
     started = time.perf_counter()
-    result = run_serial(config, clients)
+    result = run_serial(config, clients, workers=workers)
     result["total-seconds"] = time.perf_counter() - started
     return result
 
@@ -69,6 +75,20 @@ def parallel_workers(args: argparse.Namespace) -> int:
     if args.client_gpus > 0:
         return max(1, int(1 / args.client_gpus))
     return max(1, min(args.clients, int((os.cpu_count() or 1) // args.client_cpus)))
+
+
+def print_parallel(plain: dict, parallel: dict, flower: list[dict], workers: int) -> None:
+    """The plain loop in one process, in ``workers`` processes, and the simulation."""
+    steady = [mean(r["round-seconds"] for r in rows[1:] or rows)
+              for rows in (plain["rounds"], parallel["rounds"], flower)]
+    same = all(all(p.get(k) == q.get(k) for k in COMPARED)
+               for p, q in zip(parallel["rounds"], flower))
+    print(f"\nplain loop in {workers} processes of one thread: {steady[1]:.2f} s/round "
+          f"steady, round 1 {parallel['rounds'][0]['round-seconds'] - steady[1]:+.2f} s; "
+          f"metrics {'identical to' if same else 'differ from'} the simulation's")
+    print(f"  running clients in {workers} processes instead of one process of "
+          f"{workers} threads: x{steady[1] / steady[0]:.3f}; the engine on top of "
+          f"the processes: x{steady[2] / steady[1]:.3f}")
 
 
 def print_comparison(plain: dict, flower: list[dict], flower_total: float,
@@ -134,8 +154,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run the same rounds as a plain PyTorch loop and compare")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads of the plain loop (default: every CPU)")
-    parser.add_argument("--json", help="write both runs' rows to this JSON file")
+    parser.add_argument("--plain-workers", type=int, default=1,
+                        help="with --compare, also run the plain loop with its clients in "
+                             "this many one-thread processes (default 1: not run)")
+    parser.add_argument("--json", help="write the runs' rows to this JSON file")
     args = parser.parse_args(argv)
+    if args.plain_workers < 1:
+        parser.error("--plain-workers must be at least 1")
     try:
         run_config = cli.simulation_overrides(args, **{"num-rounds": args.rounds})
     except FedSPCError as error:
@@ -143,9 +168,12 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(tempfile.mkdtemp(prefix="fedspc-bench-"))
     run_config.update({"output-dir": str(out), "run-name": "benchmark"})
-    plain = None
+    plain = parallel = None
     if args.compare:
         plain = run_plain({**run_config, "run-name": "plain"}, args.clients, args.threads)
+        if args.plain_workers > 1:
+            parallel = run_plain({**run_config, "run-name": "plain-parallel"}, args.clients,
+                                 args.threads, workers=args.plain_workers)
     started = time.perf_counter()
     code = cli.simulate_once(run_config, args, log_file=Path(args.log) if args.log else None)
     if code:
@@ -162,8 +190,11 @@ def main(argv: list[str] | None = None) -> int:
           f"(round time includes evaluation); whole command {total:.1f} s")
     if plain is not None:
         print_comparison(plain, rounds, total, args)
+    if parallel is not None:
+        print_parallel(plain, parallel, rounds, args.plain_workers)
     if args.json:
         Path(args.json).write_text(json.dumps({"flower": rounds, "plain": plain,
+                                               "plain-parallel": parallel,
                                                "flower-total-seconds": total}, indent=2))
     return 0
 

@@ -275,6 +275,26 @@ def test_the_plain_loop_computes_what_the_apps_compute(method, fedspc):
         [{k: r[k] for k in keys} for r in metrics["rounds"]]
 
 
+def test_the_plain_loop_in_worker_processes_computes_what_it_computes_in_one():
+    """``workers`` > 1 (the benchmark's process-parallel baseline) moves the client
+    calls to spawned one-thread processes and nothing else: Ditto + FedSPC (client
+    state and both references travel to the workers and back) gives the same rows.
+    One thread here too: a loss reduced on two threads may differ in its last bit."""
+    import torch
+
+    threads = torch.get_num_threads()
+    grid, _ = run_app("ditto", True)
+    config = parse_run_config(grid.contexts[1].run_config)
+    keys = ("accuracy", "loss", "train-loss", "train-images", "client-accuracy")
+    torch.set_num_threads(1)
+    try:
+        one, two = (run_serial(config, NUM_CLIENTS, echo=lambda line: None,
+                               workers=w)["rounds"] for w in (1, 2))
+    finally:
+        torch.set_num_threads(threads)
+    assert [{k: r[k] for k in keys} for r in two] == [{k: r[k] for k in keys} for r in one]
+
+
 @pytest.mark.parametrize("method", ["fedrep", "lgfedavg"])
 def test_accuracy_before_aggregation_is_the_trained_model_of_each_client(method):
     """With one client the average is its own shared block, so the accuracy before
