@@ -77,18 +77,26 @@ def parallel_workers(args: argparse.Namespace) -> int:
     return max(1, min(args.clients, int((os.cpu_count() or 1) // args.client_cpus)))
 
 
-def print_parallel(plain: dict, parallel: dict, flower: list[dict], workers: int) -> None:
-    """The plain loop in one process, in ``workers`` processes, and the simulation."""
-    steady = [mean(r["round-seconds"] for r in rows[1:] or rows)
-              for rows in (plain["rounds"], parallel["rounds"], flower)]
+def print_parallel(plain: dict, parallel: dict, flower: list[dict],
+                   args: argparse.Namespace) -> None:
+    """The plain loop in one process, in ``--plain-workers`` processes, and the
+    simulation."""
+    workers = args.plain_workers
+    runs = (plain["rounds"], parallel["rounds"], flower)
+    steady = [mean(r["round-seconds"] for r in rows[1:] or rows) for rows in runs]
     same = all(all(p.get(k) == q.get(k) for k in COMPARED)
                for p, q in zip(parallel["rounds"], flower))
     print(f"\nplain loop in {workers} processes of one thread: {steady[1]:.2f} s/round "
           f"steady, round 1 {parallel['rounds'][0]['round-seconds'] - steady[1]:+.2f} s; "
           f"metrics {'identical to' if same else 'differ from'} the simulation's")
     print(f"  running clients in {workers} processes instead of one process of "
-          f"{workers} threads: x{steady[1] / steady[0]:.3f}; the engine on top of "
+          f"{args.threads} threads: x{steady[1] / steady[0]:.3f}; the simulation over "
           f"the processes: x{steady[2] / steady[1]:.3f}")
+    phase = mean(r["train-seconds"] for r in runs[1][1:] or runs[1])
+    work = mean(r.get("train-client-work-seconds", 0.0) for r in flower[1:] or flower)
+    work /= parallel_workers(args)
+    print(f"  training phase, steady: the plain loop in {workers} processes {phase:.2f} s; "
+          f"the simulation's clients worked {work:.2f} s per worker (x{work / phase:.3f})")
 
 
 def print_comparison(plain: dict, flower: list[dict], flower_total: float,
@@ -159,9 +167,11 @@ def main(argv: list[str] | None = None) -> int:
                              "this many one-thread processes (default 1: not run)")
     parser.add_argument("--json", help="write the runs' rows to this JSON file")
     args = parser.parse_args(argv)
-    if args.plain_workers < 1:
-        parser.error("--plain-workers must be at least 1")
     try:
+        if args.plain_workers < 1:
+            raise FedSPCError(f"plain-workers must be >= 1, got {args.plain_workers}")
+        if args.plain_workers > 1 and not args.compare:
+            raise FedSPCError("--plain-workers is a baseline of --compare: add --compare")
         run_config = cli.simulation_overrides(args, **{"num-rounds": args.rounds})
     except FedSPCError as error:
         return cli.fail(error, cli.BAD_INPUT)
@@ -191,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     if plain is not None:
         print_comparison(plain, rounds, total, args)
     if parallel is not None:
-        print_parallel(plain, parallel, rounds, args.plain_workers)
+        print_parallel(plain, parallel, rounds, args)
     if args.json:
         Path(args.json).write_text(json.dumps({"flower": rounds, "plain": plain,
                                                "plain-parallel": parallel,

@@ -394,6 +394,8 @@ def test_simulate_reports_bad_input_in_one_line(tmp_path, monkeypatch, capsys, n
     ("benchmark", ["--rounds", "0"], "num-rounds"),
     ("benchmark", ["--client-gpus", "inf"], "client-gpus must be >= 0, got inf"),
     ("benchmark", ["--run-config", "bad.toml"], "cannot read run-config file"),
+    ("benchmark", ["--compare", "--plain-workers", "0"], "plain-workers must be >= 1, got 0"),
+    ("benchmark", ["--plain-workers", "2"], "a baseline of --compare"),
     ("loopback", ["--nodes", "0"], "clients must be >= 1, got 0"),
     ("loopback", ["--run-config", "bad.toml"], "cannot read run-config file"),
     ("loopback", ["--set", "alpha=-1"], "alpha"),
