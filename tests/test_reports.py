@@ -20,11 +20,13 @@ def write_run(grid_dir: Path, name: str, *, setting: str, method: str = "fedrep"
               fedspc: bool = False, alpha: float = 0.1, seed: int = 0,
               final: float | None = None, best: float | None = None,
               curve: tuple[float, ...] = (), state: str = "complete",
-              kind: str = "federated") -> dict:
+              kind: str = "federated",
+              series: dict[str, tuple[float | None, ...]] | None = None) -> dict:
     """A results folder as a run leaves it; returns the cell's grid.json entry.
 
     ``state`` is ``complete`` (summary written), ``partial`` (config and metrics
-    only) or ``missing`` (no folder).
+    only) or ``missing`` (no folder). ``series`` adds per-round metrics (None: the
+    round did not record it).
     """
     rc = {"dataset": "cifar100", "model": "cnn", "method": method, "fedspc": fedspc,
           "alpha": alpha, "seed": seed, "num-rounds": len(curve)}
@@ -38,6 +40,10 @@ def write_run(grid_dir: Path, name: str, *, setting: str, method: str = "fedrep"
     step = "epoch" if kind == "centralized" else "round"
     rows = [{step: i + 1, "accuracy": acc, "elapsed-seconds": 10.0 * (i + 1)}
             for i, acc in enumerate(curve)]
+    for key, values in (series or {}).items():
+        for row, value in zip(rows, values):
+            if value is not None:
+                row[key] = value
     (run_dir / "metrics.json").write_text(json.dumps(
         {"epochs" if kind == "centralized" else "rounds": rows}))
     if state == "complete":
@@ -213,6 +219,57 @@ def test_pairs_window_ties_and_rounds_behind(tmp_path):
     assert table.columns[7] == "Δ last 2"
     with pytest.raises(ValueError, match="window"):
         reports.pairs_table([], window=0)
+
+
+def test_drift_table_averages_seed_means_over_the_two_halves(tmp_path):
+    cells = [
+        write_run(tmp_path, "base", setting="S", final=0.4, curve=(0.1, 0.2, 0.3, 0.4),
+                  series={"drift-dispersion": (9.0, 2.0, 4.0, 6.0),
+                          "update-cosine": (0.9, 0.5, 0.4, 0.2),
+                          "train-loss": (3.0, 2.5, 2.0, 1.5),
+                          "accuracy-before-aggregation": (0.15, 0.25, 0.32, 0.43)}),
+        # Two +FedSPC seeds: the table averages their per-round means; seed 1 has
+        # no ‖ū‖ in round 3, so round 3's mean is seed 0's alone.
+        write_run(tmp_path, "spc-s0", setting="S", fedspc=True, final=0.5,
+                  curve=(0.1, 0.2, 0.4, 0.5),
+                  series={"drift-dispersion": (5.0, 1.0, 2.0, 3.0),
+                          "global-reference-norm": (0.0, 0.4, 0.3, 0.2)}),
+        write_run(tmp_path, "spc-s1", setting="S", fedspc=True, seed=1, final=0.3,
+                  curve=(0.1, 0.2, 0.2, 0.3),
+                  series={"drift-dispersion": (7.0, 3.0, 4.0, 5.0),
+                          "global-reference-norm": (0.0, 0.2, None, 0.4)}),
+        # No drift columns recorded (a run older than the diagnostics): no rows.
+        write_run(tmp_path, "fedavg", setting="S", method="fedavg", final=0.2,
+                  curve=(0.1, 0.2, 0.2, 0.2), series={"train-loss": (2.0, 2.0, 2.0, 2.0)}),
+    ]
+    table = reports.drift_table(load_records(tmp_path, cells))
+    # Windows of 4 rounds: round 2, then rounds 3–4.
+    assert [row[:4] for row in table.rows] == [
+        ["FedRep", "0.1", "S", "2"], ["FedRep", "0.1", "S", "3–4"],
+        ["FedRep+FedSPC", "0.1", "S", "2"], ["FedRep+FedSPC", "0.1", "S", "3–4"]]
+    by_window = {(r[0], r[3]): dict(zip(table.columns, r)) for r in table.rows}
+    base = by_window["FedRep", "3–4"]
+    assert (base["Dispersion"], base["Cosine"], base["Train loss"]) == ("5.00", "0.30", "1.750")
+    assert base["‖ū‖"] == base["‖mean Δ‖"] == "—"
+    # Before − after aggregation: rounds 3 and 4 give 2 and 3 points.
+    assert base["Averaging gap"] == "+2.50" and by_window["FedRep", "2"]["Averaging gap"] == "+5.00"
+    spc = by_window["FedRep+FedSPC", "3–4"]
+    # Dispersion: round means 3.0 and 4.0; ‖ū‖: 0.3 (seed 0 only) and 0.3.
+    assert (spc["Dispersion"], spc["‖ū‖"], spc["Seeds"]) == ("3.50", "0.300", "2")
+    assert by_window["FedRep+FedSPC", "2"]["‖ū‖"] == "0.300"
+    assert spc["Averaging gap"] == "—"
+    assert table.csv_rows[1][:6] == ["FedRep", "false", "0.1", "S", 3, 4]
+    assert reports.halves(20) == [(2, 10), (11, 20)]
+    assert reports.halves(50) == [(2, 25), (26, 50)]
+    assert reports.halves(3) == [(2, 3)] and reports.halves(1) == [(1, 1)]
+    written = {p.name for p in reports.write_report(load_records(tmp_path, cells),
+                                                    tmp_path / "r")}
+    assert {"drift.md", "drift.csv"} <= written
+    no_drift = [write_run(tmp_path / "g2", "fedavg", setting="S", method="fedavg",
+                          final=0.2, curve=(0.2,), series={"train-loss": (2.0,)})]
+    written = {p.name for p in reports.write_report(load_records(tmp_path / "g2", no_drift),
+                                                    tmp_path / "r2")}
+    assert "drift.md" not in written and not any(n.startswith("drift-") for n in written)
 
 
 def test_no_fedspc_cells_means_no_table3_and_no_delta_chart(tmp_path):

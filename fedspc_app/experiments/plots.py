@@ -107,7 +107,8 @@ def plot_drift(records: Sequence[ResultRecord], setting: str, alpha: float,
     from matplotlib.figure import Figure
 
     chosen = [r for r in records if r.kind == FEDERATED and r.setting == setting
-              and same_alpha(r.alpha, alpha) and r.series]
+              and same_alpha(r.alpha, alpha)
+              and any(key in r.series for key, _, _ in DRIFT_PANELS)]
     methods = methods_of(chosen)
     if not methods:
         return None

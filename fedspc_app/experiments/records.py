@@ -21,8 +21,9 @@ from fedspc_app.core.results import DRIFT_COLUMNS
 from fedspc_app.experiments.layout import GRID_JSON, read_failures, read_json
 
 MISSING = "—"
-# Per-round metrics a record keeps besides accuracy (the drift figure's).
-SERIES = (*DRIFT_COLUMNS, "global-reference-norm")
+# Per-round metrics a record keeps besides accuracy (the drift figure's and table's).
+BEFORE_AGGREGATION = "accuracy-before-aggregation"
+SERIES = (*DRIFT_COLUMNS, "global-reference-norm", "train-loss", BEFORE_AGGREGATION)
 METHOD_NAMES = {
     "fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD", "ditto": "Ditto",
     "fedbabu": "FedBABU", "fedrep": "FedRep", "lgfedavg": "LG-FedAvg", "fedper": "FedPer",

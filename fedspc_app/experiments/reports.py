@@ -6,6 +6,8 @@ Markdown and CSV, with the figures, in ``<grid folder>/report/``.
 * Table 3 (:func:`table3`): rows PFL method × α; per setting Base, +FedSPC and
   Δ = +FedSPC − Base.
 * Pairs (:func:`pairs_table`): Base vs +FedSPC over the whole run.
+* Drift (:func:`drift_table`): the shared block's drift diagnostics, the clients'
+  train loss and what averaging cost them, averaged over the two halves of a run.
 * With several seeds a value is ``mean ± std`` (sample std) and Δ the difference
   of the means; a cell without a finished run shows ``—``.
 """
@@ -30,6 +32,7 @@ from fedspc_app.experiments.plots import (
     plot_partition_panels,
 )
 from fedspc_app.experiments.records import (
+    BEFORE_AGGREGATION,
     CENTRALIZED,
     FEDERATED,
     MISSING,
@@ -180,6 +183,96 @@ def pairs_table(records: Sequence[ResultRecord], *, window: int = 5) -> Table:
         csv_rows=csv_rows)
 
 
+# (series, column, format) of the drift table, in its column order.
+DRIFT_TABLE_COLUMNS = (
+    ("drift-dispersion", "Dispersion", "{:.2f}"),
+    ("update-cosine", "Cosine", "{:.2f}"),
+    ("update-norm", "‖mean Δ‖", "{:.3f}"),
+    ("client-update-norm", "mean ‖Δ_k‖", "{:.3f}"),
+    ("global-reference-norm", "‖ū‖", "{:.3f}"),
+    ("train-loss", "Train loss", "{:.3f}"),
+)
+AVERAGING_GAP = "averaging-gap"
+DRIFT_NOTE = (
+    "Means over the rounds of each window of the seed-mean per-round values. "
+    "Dispersion: mean_k ‖Δ_k − mean Δ‖² / ‖mean Δ‖² of the shared block's "
+    "updates; cosine: mean_k cos(Δ_k, mean Δ); ‖ū‖: the global reference "
+    "(FedSPC, SCAFFOLD); train loss: the clients' local training loss; "
+    "averaging gap: accuracy before aggregation − after it, in points "
+    "(positive: averaging cost the clients accuracy).")
+
+
+def halves(last: int) -> list[tuple[int, int]]:
+    """The round windows of the drift table: rounds 2..last//2 and the rest.
+
+    Round 1 is left out (every client starts from the same model, with ū = 0), so
+    20 rounds give (2, 10) and (11, 20); runs too short to halve get one window.
+    """
+    if last >= 4:
+        return [(2, last // 2), (last // 2 + 1, last)]
+    return [(min(2, last), last)] if last >= 1 else []
+
+
+def _window_mean(points: dict[int, float], window: tuple[int, int]) -> float | None:
+    values = [v for step, v in points.items() if window[0] <= step <= window[1]]
+    return statistics.fmean(values) if values else None
+
+
+def drift_table(records: Sequence[ResultRecord]) -> Table:
+    """The drift diagnostics of each complete run kind, means over rounds.
+
+    One row per setting × method × α × Base/+FedSPC × window (:func:`halves` of
+    the last round): the seed-mean per-round values of the shared block's drift
+    dispersion, mean cosine to the mean update, norm of the mean update, mean norm
+    of the client updates, ‖ū‖ and the clients' train loss, each averaged over the
+    window's rounds; and the averaging gap, accuracy before aggregation minus
+    accuracy after it (points; runs with ``evaluate-before-aggregation``). ``—``
+    where a run did not record the value.
+    """
+    federated = [r for r in records if r.kind == FEDERATED and r.complete and r.curve]
+    rows, csv_rows = [], []
+    for setting in settings_of(federated):
+        for method in methods_of(federated):
+            for alpha in alphas_of(r for r in federated if r.method == method):
+                for fedspc in (False, True):
+                    chosen = [r for r in federated if r.method == method
+                              and r.fedspc == fedspc and r.setting == setting
+                              and same_alpha(r.alpha, alpha)]
+                    if not any(key in r.series for r in chosen
+                               for key, _, _ in DRIFT_TABLE_COLUMNS[:4]):
+                        continue
+                    points = {key: dict(zip(*mean_curve(chosen, series=key)[:2]))
+                              for key, _, _ in DRIFT_TABLE_COLUMNS}
+                    before = dict(zip(*mean_curve(chosen, series=BEFORE_AGGREGATION)[:2]))
+                    after = dict(zip(*mean_curve(chosen)[:2]))
+                    points[AVERAGING_GAP] = {s: 100.0 * before[s] - after[s]
+                                             for s in before if s in after}
+                    last = max(step for r in chosen for step, _ in r.curve)
+                    for window in halves(last):
+                        means = [_window_mean(points[key], window)
+                                 for key, _, _ in DRIFT_TABLE_COLUMNS]
+                        gap = _window_mean(points[AVERAGING_GAP], window)
+                        label = display_method(method) + ("+FedSPC" if fedspc else "")
+                        rounds = (f"{window[0]}–{window[1]}" if window[0] != window[1]
+                                  else str(window[0]))
+                        rows.append([label, alpha_text(alpha), setting, rounds, *(
+                            MISSING if v is None else fmt.format(v)
+                            for v, (_, _, fmt) in zip(means, DRIFT_TABLE_COLUMNS)),
+                            delta_text(gap), str(len(chosen))])
+                        csv_rows.append([display_method(method), str(fedspc).lower(),
+                                         alpha_text(alpha), setting, window[0], window[1],
+                                         *map(_num, means), _num(gap), len(chosen)])
+    return Table(
+        columns=["Run", "α", "Setting", "Rounds",
+                 *(name for _, name, _ in DRIFT_TABLE_COLUMNS), "Averaging gap", "Seeds"],
+        rows=rows, numeric=(False, False, False, *[True] * (len(DRIFT_TABLE_COLUMNS) + 3)),
+        csv_columns=["method", "fedspc", "alpha", "setting", "first_round", "last_round",
+                     *(key.replace("-", "_") for key, _, _ in DRIFT_TABLE_COLUMNS),
+                     AVERAGING_GAP.replace("-", "_"), "n"],
+        csv_rows=csv_rows,
+        notes=(DRIFT_NOTE,))
+
+
 def centralized_lines(records: Sequence[ResultRecord], *, metric: str = "final") -> list[str]:
     """``Centralized (C-R34): 79.57%`` for every setting with a centralized cell."""
     lines = []
@@ -267,6 +360,10 @@ def write_report(records: Sequence[ResultRecord], out_dir: str | Path, *,
                                    "the final round, over the last 5 rounds and at the "
                                    "best round; rounds where +FedSPC is ahead / behind",
                           pairs_table(records)))
+    drift = drift_table(records)
+    if drift.rows:
+        tables.append(("drift", ("Drift of the shared block, train loss and averaging "
+                                 "gap, means over the two halves of the run"), drift))
     if any(r.kind == CENTRALIZED for r in records):
         tables.append(("centralized", "Centralized reference (pooled data, %)",
                        centralized_table(records)))
