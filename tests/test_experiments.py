@@ -242,6 +242,23 @@ def test_shipped_grids_expand_to_the_papers_tables():
                                           "lgfedavg+fedspc"]
     assert {(c.run_config["local-epochs"], c.run_config["alpha"], c.run_config["num-rounds"])
             for c in e5.cells} == {(5, 0.1, 20)}
+    long = load_grid(REPO / "conf/experiments/cpu-cifar100-cnn-long.yaml",
+                     output_dir="/tmp/unused")
+    mismatch = load_grid(REPO / "conf/experiments/cpu-cifar100-cnn-mismatch.yaml",
+                         output_dir="/tmp/unused")
+    # The long runs repeat the mismatch grid's runs, only for more rounds.
+    assert [c.name for c in long.cells] == [c.name for c in mismatch.cells]
+    for a, b in zip(long.cells, mismatch.cells):
+        assert a.run_config == {**b.run_config, "num-rounds": 50,
+                                "output-dir": "/tmp/unused/cpu-cifar100-cnn-long"}
+
+
+def test_every_shipped_grid_loads():
+    grids = sorted((REPO / "conf/experiments").glob("*.yaml"))
+    assert len(grids) >= 10
+    for path in grids:
+        grid = load_grid(path, output_dir="/tmp/unused")
+        assert grid.cells, path.name
 
 
 # ------------------------------------------------------------------------ running
