@@ -239,15 +239,16 @@ def test_shipped_grids_expand_to_the_papers_tables():
     assert len([c for c in cpu.cells if c.kind == "federated"]) == 5 * 2 * 3
     e5 = load_grid(REPO / "conf/experiments/cpu-cifar100-cnn-e5.yaml", output_dir="/tmp/unused")
     assert [c.name for c in e5.cells] == ["fedrep", "fedrep+fedspc", "lgfedavg",
-                                          "lgfedavg+fedspc"]
+                                          "lgfedavg+fedspc", "ditto", "ditto+fedspc"]
     assert {(c.run_config["local-epochs"], c.run_config["alpha"], c.run_config["num-rounds"])
             for c in e5.cells} == {(5, 0.1, 20)}
     long = load_grid(REPO / "conf/experiments/cpu-cifar100-cnn-long.yaml",
                      output_dir="/tmp/unused")
     mismatch = load_grid(REPO / "conf/experiments/cpu-cifar100-cnn-mismatch.yaml",
                          output_dir="/tmp/unused")
-    # The long runs repeat the mismatch grid's runs, only for more rounds.
-    assert [c.name for c in long.cells] == [c.name for c in mismatch.cells]
+    # The long runs repeat the mismatch grid's runs, only for more rounds, and add Ditto.
+    assert [c.name for c in long.cells] == [c.name for c in mismatch.cells] + [
+        "ditto", "ditto+fedspc"]
     for a, b in zip(long.cells, mismatch.cells):
         assert a.run_config == {**b.run_config, "num-rounds": 50,
                                 "output-dir": "/tmp/unused/cpu-cifar100-cnn-long"}
