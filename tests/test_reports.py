@@ -308,3 +308,25 @@ def test_a_report_of_two_grids_puts_standard_fl_beside_pfl(tmp_path, capsys):
                           "| FedRep+FedSPC | 0.1 | 45.00 |"]
     assert (out / "report.md").read_text().startswith("# Results: fl + pfl\n")
     assert "Report of 3 cells" in capsys.readouterr().out
+
+
+def test_labels_keep_grids_of_one_setting_apart(tmp_path):
+    # Two grids of the same dataset and model (a regime study: E = 1 and E = 5).
+    e1, e5 = tmp_path / "e1", tmp_path / "e5"
+    for folder, base, spc in ((e1, 0.4, 0.38), (e5, 0.5, 0.46)):
+        write_run(folder, "fedrep", setting="ignored", final=base, curve=(0.3, base))
+        write_run(folder, "fedrep+fedspc", setting="ignored", fedspc=True, final=spc,
+                  curve=(0.3, spc))
+    merged = cli.report([str(e1), str(e5)], str(tmp_path / "merged"), None)
+    # Without labels the two grids' runs are one cell with two "seeds".
+    assert "| FedRep | 0.1 | 45.00 ± 7.07 | 42.00 ± 5.66 | -3.00 |" in (
+        merged / "table3.md").read_text()
+    out = cli.report([str(e1), str(e5)], str(tmp_path / "apart"), None,
+                     labels=["E = 1", "E = 5"])
+    pairs = (out / "pairs.md").read_text().splitlines()[2:]
+    assert [row.split(" | ")[2:7] for row in pairs] == [
+        ["E = 1", "2", "40.00", "38.00", "-2.00"], ["E = 5", "2", "50.00", "46.00", "-4.00"]]
+    with pytest.raises(ConfigError, match="1 labels for 2 grids"):
+        cli.report([str(e1), str(e5)], str(tmp_path / "x"), None, labels=["E = 1"])
+    with pytest.raises(ConfigError, match="must differ"):
+        cli.report([str(e1), str(e5)], str(tmp_path / "x"), None, labels=["a", "a"])

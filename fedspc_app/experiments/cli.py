@@ -6,6 +6,7 @@ centralized reference and partition figures::
         [--clients N] [--client-cpus X] [--client-gpus X] [--timeout S]
     python -m fedspc_app.experiments list GRID.yaml        # the same as run --dry-run
     python -m fedspc_app.experiments report GRID_DIR_OR_YAML [...] [--out DIR]
+        [--label NAME ...]
     python -m fedspc_app.experiments centralized [--run-config TOML] [--set "k=v ..."]
         [--epochs 200] [--learning-rate 0.1] [--eval-every 1] [--lr-schedule constant]
     python -m fedspc_app.experiments partition RUN_DIR... [-o PNG]
@@ -77,12 +78,33 @@ def grid_records(target: str, output_dir: str | None) -> tuple[Path, str, list]:
     return directory, title, load_records(directory, cells)
 
 
-def report(targets: str | list[str], out: str | None, output_dir: str | None) -> Path:
-    """Write the report of one grid, or of several together (then ``out`` is needed)."""
+def labelled(records: list, label: str) -> list:
+    """A grid's records as the setting ``label`` (``label setting`` when the grid
+    has several settings), so that grids of one dataset and model stay apart."""
+    settings = {r.setting for r in records}
+    return [dataclasses.replace(r, setting=label if len(settings) == 1
+                                else f"{label} {r.setting}") for r in records]
+
+
+def report(targets: str | list[str], out: str | None, output_dir: str | None,
+           labels: Sequence[str] | None = None) -> Path:
+    """Write the report of one grid, or of several together (then ``out`` is needed).
+
+    ``labels`` (one per grid) name each grid's setting in the tables and figures;
+    without them, runs of the same dataset, model, method and α in different grids
+    count as seeds of one cell.
+    """
     targets = [targets] if isinstance(targets, str) else list(targets)
     if len(targets) > 1 and not out:
         raise ConfigError("a report of several grids needs --out")
+    if labels and len(labels) != len(targets):
+        raise ConfigError(f"--label: {len(labels)} labels for {len(targets)} grids; "
+                          f"give one per grid, in the grids' order")
+    if labels and len(set(labels)) != len(labels):
+        raise ConfigError("--label: the labels must differ")
     loaded = [grid_records(target, output_dir) for target in targets]
+    if labels:
+        loaded = [(d, t, labelled(g, label)) for (d, t, g), label in zip(loaded, labels)]
     records = [record for _, _, grid in loaded for record in grid]
     out_dir = Path(out) if out else loaded[0][0] / REPORT_DIR
     title = " + ".join(title for _, title, _ in loaded)
@@ -92,7 +114,7 @@ def report(targets: str | list[str], out: str | None, output_dir: str | None) ->
 
 
 def report_command(args: argparse.Namespace) -> int:
-    report(args.grid, args.out, args.output_dir)
+    report(args.grid, args.out, args.output_dir, args.label)
     return 0
 
 
@@ -154,6 +176,10 @@ def _add_grid_commands(commands: argparse._SubParsersAction) -> None:
     sub.add_argument("--out", help="report folder (default: <grid folder>/report; "
                                    "required with several grids)")
     sub.add_argument("--output-dir", help="with a grid file: parent of the grid's folder")
+    sub.add_argument("--label", action="append",
+                     help="the setting name of each grid, once per grid in order (e.g. "
+                          "a regime study: --label 'E = 1' --label 'E = 5'); keeps "
+                          "grids of one dataset and model apart")
     sub.set_defaults(handler=report_command)
 
 
