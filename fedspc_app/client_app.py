@@ -22,10 +22,13 @@ from clients.state import (
     ClientStateError,
     Decisions,
 )
+from fedspc_app import IMPORT_STARTED_AT
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.protocol import (
+    APP_IMPORT_STARTED_AT,
+    APP_IMPORTED_AT,
     HANDLER_STARTED_AT,
     NODE_QUERY,
     PARTITION_ID,
@@ -237,13 +240,15 @@ _FIRST_MESSAGE = {"pending": True}
 
 
 def first_message_times(handler_started_at: float) -> dict[str, float]:
-    """On the first message this process handles: when the process and the handler
-    started (wall-clock epochs); on later messages nothing."""
+    """On the first message this process handles: when the process started, when it
+    began and finished importing this module, and when the handler started
+    (wall-clock epochs); on later messages nothing."""
     if not _FIRST_MESSAGE["pending"]:
         return {}
     _FIRST_MESSAGE["pending"] = False
     started = process_started_at()
-    times = {HANDLER_STARTED_AT: handler_started_at}
+    times = {HANDLER_STARTED_AT: handler_started_at,
+             APP_IMPORT_STARTED_AT: IMPORT_STARTED_AT, APP_IMPORTED_AT: IMPORTED_AT}
     if started is not None:
         times[PROCESS_STARTED_AT] = started
     return times
@@ -335,3 +340,6 @@ def query(message: Message, context: Context) -> Message:
         "durable-state": int(store is not None),
     })
     return Message(content=RecordDict({METRICS: metrics}), reply_to=message)
+
+
+IMPORTED_AT = time.time()  # this module and its imports are loaded (first_message_times)

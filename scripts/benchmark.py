@@ -149,7 +149,11 @@ def print_comparison(plain: dict, flower: list[dict], flower_total: float,
               + (f"started {start:.2f} s after the training messages were sent "
                  "(Ray starting its workers), and " if start is not None else "")
               + f"began its first message {first['train-worker-ready-seconds']:.2f} s "
-              "after them (loading the ClientApp and its imports)")
+              "after them (loading the ClientApp and its imports"
+              + (f"; importing the ClientApp module took up to "
+                 f"{first['train-worker-import-seconds']:.2f} s and was done "
+                 f"{first['train-worker-imported-seconds']:.2f} s after the send"
+                 if "train-worker-imported-seconds" in first else "") + ")")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,12 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedspc_app.core.errors import FedSPCError
-from fedspc_app.core.protocol import HANDLER_STARTED_AT, PROCESS_STARTED_AT
+from fedspc_app.core.protocol import (
+    APP_IMPORT_STARTED_AT,
+    APP_IMPORTED_AT,
+    HANDLER_STARTED_AT,
+    PROCESS_STARTED_AT,
+)
 from strategies.personalized import METRICS, TIMINGS, RoundReport
 
 Trained = Callable[[int, ArrayRecord, MetricRecord | None, RoundReport], None]
@@ -33,6 +38,9 @@ PHASE_SECONDS = "phase-seconds"
 # sending its messages until the last new process had started, and until the last
 # one began handling its first message (see worker_startup).
 WORKER_START_SECONDS, WORKER_READY_SECONDS = "worker-start-seconds", "worker-ready-seconds"
+# Of those: the longest a new process took to import the ClientApp module, and
+# seconds from sending until the last had imported it.
+WORKER_IMPORT_SECONDS, WORKER_IMPORTED_SECONDS = "worker-import-seconds", "worker-imported-seconds"
 
 
 class TooManyFailedRounds(FedSPCError):
@@ -100,10 +108,13 @@ def worker_startup(replies: Iterable[Message], sent_at: float) -> dict[str, floa
     ``worker-start-seconds``: until the last of them had started (0 for processes
     that were already running: in a simulation, Ray and its workers starting);
     ``worker-ready-seconds``: until the last began its first handler (the start, then
-    loading the ClientApp and its imports, and waiting for a message). Empty when no
-    reply is a process's first. Both sides must share a clock: a simulation.
+    loading the ClientApp and its imports, and waiting for a message);
+    ``worker-import-seconds``: the longest any of them spent importing the ClientApp
+    module, and ``worker-imported-seconds``: until the last had imported it (both
+    part of the time to ready). Empty when no reply is a process's first.
+    Both sides must share a clock: a simulation.
     """
-    started, ready = [], []
+    started, ready, imports, imported = [], [], [], []
     for reply in replies:
         metrics = reply_metrics(reply)
         handler = None if metrics is None else metrics.get(HANDLER_STARTED_AT)
@@ -113,11 +124,19 @@ def worker_startup(replies: Iterable[Message], sent_at: float) -> dict[str, floa
         process = metrics.get(PROCESS_STARTED_AT)
         if isinstance(process, float) and math.isfinite(process):
             started.append(max(0.0, process - sent_at))
+        began, done = metrics.get(APP_IMPORT_STARTED_AT), metrics.get(APP_IMPORTED_AT)
+        if (isinstance(began, float) and isinstance(done, float)
+                and math.isfinite(done - began)):
+            imports.append(max(0.0, done - began))
+            imported.append(max(0.0, done - sent_at))
     out = {}
     if started:
         out[WORKER_START_SECONDS] = max(started)
     if ready:
         out[WORKER_READY_SECONDS] = max(ready)
+    if imports:
+        out[WORKER_IMPORT_SECONDS] = max(imports)
+        out[WORKER_IMPORTED_SECONDS] = max(imported)
     return out
 
 

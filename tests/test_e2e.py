@@ -47,6 +47,9 @@ def test_fedavg_on_digits_writes_metrics(superlink, tmp_path):
     first = rounds[0]
     assert 0 <= first["train-worker-start-seconds"] <= first["train-worker-ready-seconds"]
     assert first["train-worker-ready-seconds"] < first["train-seconds"]
+    # Importing the ClientApp (torch and all) is part of coming up.
+    assert 0 < first["train-worker-import-seconds"] < first["train-worker-ready-seconds"]
+    assert first["train-worker-imported-seconds"] <= first["train-worker-ready-seconds"]
     assert not any(f"{phase}-worker-ready-seconds" in r for r in rounds[1:]
                    for phase in ("train", "evaluate"))
     csv_lines = (run_dir / "metrics.csv").read_text().splitlines()

@@ -208,10 +208,14 @@ def _timed_reply(**metrics) -> Message:
 def test_worker_startup_is_read_from_the_replies_to_a_process_first_message():
     sent = 1_000_000.0
     replies = [
-        _timed_reply(**{"process-started-at": sent + 2.5, "handler-started-at": sent + 4.0}),
-        _timed_reply(**{"process-started-at": sent - 60.0, "handler-started-at": sent + 0.5}),
+        _timed_reply(**{"process-started-at": sent + 2.5, "handler-started-at": sent + 4.0,
+                        "app-import-started-at": sent + 2.75, "app-imported-at": sent + 3.5}),
+        _timed_reply(**{"process-started-at": sent - 60.0, "handler-started-at": sent + 0.5,
+                        "app-import-started-at": sent - 59.0, "app-imported-at": sent - 58.0}),
         _timed_reply(**{"work-seconds": 3.0}),  # a process's later message
     ]
     assert rounds.worker_startup(replies, sent) == {"worker-start-seconds": 2.5,
-                                                    "worker-ready-seconds": 4.0}
+                                                    "worker-ready-seconds": 4.0,
+                                                    "worker-import-seconds": 1.0,
+                                                    "worker-imported-seconds": 3.5}
     assert rounds.worker_startup(replies[2:], sent) == {}

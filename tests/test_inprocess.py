@@ -314,6 +314,9 @@ def test_only_a_process_first_message_reports_when_the_process_and_handler_start
     first = client_app.first_message_times(123.0)
     assert first["handler-started-at"] == 123.0
     assert first["process-started-at"] <= time.time()
+    # This process imported the package, then the ClientApp module, before now.
+    assert (first["process-started-at"] <= first["app-import-started-at"]
+            <= first["app-imported-at"] <= time.time())
     assert client_app.first_message_times(456.0) == {}
 
 

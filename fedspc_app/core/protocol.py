@@ -18,3 +18,6 @@ SETUP_SECONDS, WORK_SECONDS = "setup-seconds", "work-seconds"
 # long new workers took to come up (strategies.rounds.worker_startup); meaningful
 # where server and clients share a clock (a simulation, one machine).
 PROCESS_STARTED_AT, HANDLER_STARTED_AT = "process-started-at", "handler-started-at"
+# With them: when the process began and finished importing the ClientApp module
+# (its imports: torch, the methods, the data code).
+APP_IMPORT_STARTED_AT, APP_IMPORTED_AT = "app-import-started-at", "app-imported-at"

@@ -37,7 +37,9 @@ from fedspc_app.core.files import atomic_write
 TIMINGS = {"seconds": "phase-seconds", "client-setup-seconds": "client-setup-seconds",
            "client-work-seconds": "client-work-seconds",
            "worker-start-seconds": "worker-start-seconds",
-           "worker-ready-seconds": "worker-ready-seconds"}
+           "worker-ready-seconds": "worker-ready-seconds",
+           "worker-import-seconds": "worker-import-seconds",
+           "worker-imported-seconds": "worker-imported-seconds"}
 TIMING_COLUMNS = tuple(f"{phase}-{field}" for phase in ("train", "evaluate")
                        for field in TIMINGS)
 # The drift diagnostics of a round's training replies (strategies/drift.py): scalars,
