@@ -351,11 +351,15 @@ def test_an_interrupted_flwr_run_is_killed_with_everything_it_started(tmp_path):
 
 # --- command-line errors: one line, nothing started ------------------------------------
 
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
+def _load_script(name: str = "benchmark"):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _load_benchmark():
+    return _load_script("benchmark")
 
 
 @pytest.fixture
@@ -401,6 +405,10 @@ def test_simulate_reports_bad_input_in_one_line(tmp_path, monkeypatch, capsys, n
     ("loopback", ["--set", "alpha=-1"], "alpha"),
     ("submit", ["--clients", "2", "--run-config", "bad.toml"], "cannot read run-config file"),
     ("submit", ["--set", "num-rounds=2"], "--clients N"),
+    ("worker_overhead", ["--modes", "thread"], "--modes: choose from process, ray"),
+    ("worker_overhead", ["--calls", "1"], "--calls >= 2"),
+    ("worker_overhead", ["--client", "10"], "--client must be in [0, 10)"),
+    ("worker_overhead", ["--run-config", "bad.toml"], "cannot read run-config file"),
 ])
 def test_the_other_launchers_report_bad_input_in_one_line(tmp_path, monkeypatch, capsys,
                                                           nothing_starts, main, args, message):
@@ -410,10 +418,25 @@ def test_the_other_launchers_report_bad_input_in_one_line(tmp_path, monkeypatch,
     monkeypatch.setattr(subprocess, "call", lambda *a, **k: pytest.fail("flwr was started"))
     (tmp_path / "bad.toml").write_text(BAD_TOML)
     entry = {"benchmark": lambda: _load_benchmark().main, "loopback": lambda: loopback.main,
-             "submit": lambda: submit.main}[main]()
+             "submit": lambda: submit.main,
+             "worker_overhead": lambda: _load_script("worker_overhead").main}[main]()
     assert entry(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("fedspc: ") and err.count("\n") == 1 and message in err
+
+
+def test_worker_overhead_times_the_same_client_in_plain_processes(capsys, monkeypatch):
+    # The Ray mode needs Ray's processes (the end-to-end tests cover them); the
+    # process mode runs the same Trainer, which the Ray actors wrap. Spawned workers
+    # import the script by name, as they do when it runs as a program.
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    script = importlib.import_module("worker_overhead")
+    assert script.main(["--set", "dataset='digits' model='cnn' local-epochs=1",
+                        "--modes", "process", "--calls", "2", "--workers", "2"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("process ") and "images/s per worker" in line
+    assert "first calls" in line and line.count(",") >= 1  # one first call per worker
+    assert script.summary([[(9.0, 100), (2.0, 100)], [(8.0, 50), (1.0, 50)]]) == (1.5, 50.0)
 
 
 def test_simulate_reports_a_failed_launch_with_exit_code_1(standin, monkeypatch, capsys):
