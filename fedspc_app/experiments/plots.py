@@ -157,7 +157,8 @@ def plot_deltas(records: Sequence[ResultRecord], path: str | Path) -> Path | Non
         return None
     fig = Figure(figsize=(max(4.0, 1.1 * len(methods) + 1.5) * len(settings), 3.4),
                  layout="constrained")
-    axes = fig.subplots(1, len(settings), squeeze=False)[0]
+    # One y scale for all settings, so that their bars compare at a glance.
+    axes = fig.subplots(1, len(settings), squeeze=False, sharey=True)[0]
     width = 0.8 / max(len(alphas), 1)
     for ax, setting in zip(axes, settings):
         for i, alpha in enumerate(alphas):
