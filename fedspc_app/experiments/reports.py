@@ -219,7 +219,8 @@ def _window_mean(points: dict[int, float], window: tuple[int, int]) -> float | N
 
 
 def drift_table(records: Sequence[ResultRecord]) -> Table:
-    """The drift diagnostics of each complete run kind, means over rounds.
+    """The drift diagnostics of the complete runs, Base and +FedSPC apart, as means
+    over the two halves of a run.
 
     One row per setting × method × α × Base/+FedSPC × window (:func:`halves` of
     the last round): the seed-mean per-round values of the shared block's drift
