@@ -8,10 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedspc_app.core.partition import dirichlet_partition, save_partition
 from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.partition import dirichlet_partition, save_partition
 from fedspc_app.experiments import cli, layout, plots, reports
-from fedspc_app.experiments.records import delta_text, load_records, summarize
+from fedspc_app.experiments.records import (
+    delta_text,
+    load_records,
+    paired_delta,
+    summarize,
+)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -193,8 +198,8 @@ def test_figures_and_report_files(grid_dir):
     report = (out / "report.md").read_text()
     assert report.startswith("# Results: grid\n")
     assert "| FedRep | 0.1 | 51.00 ± 1.41 | 55.50 ± 0.71 | +4.50 |" in report
-    assert "| FedRep | 0.1 | S1 | 2 | 51.00 | 55.50 | +4.50 | +4.00 | +4.50 | 2 / 0 | 2 / 2 |" \
-        in report
+    assert ("| FedRep | 0.1 | S1 | 2 | 51.00 | 55.50 | +4.50 | +4.00 | +4.50 | 2 / 0 | 2 "
+            "| +5.00 / +4.00 |") in report
     assert "![delta](delta.png)" in report
     assert (out / "centralized.md").read_text().splitlines()[2] == "| S1 | 70.00 | 71.00 |"
 
@@ -205,7 +210,8 @@ def test_pairs_compare_seed_mean_curves_on_complete_pairs_only(grid_dir):
     # partial one, so neither gets a row.
     table = reports.pairs_table(load_records(grid_dir))
     assert table.csv_rows == [["FedRep", "0.1", "S1", 2, 2, 51.0, 55.5, 4.5, 4.0, 4.5, 2, 0,
-                               2, 2]]
+                               "0 1", "5.0 4.0"]]
+    assert table.notes == ()
 
 
 def test_pairs_window_ties_and_rounds_behind(tmp_path):
@@ -215,10 +221,40 @@ def test_pairs_window_ties_and_rounds_behind(tmp_path):
     table = reports.pairs_table(load_records(tmp_path, cells), window=2)
     # Round 1 ties, round 2 behind, round 3 ahead; last 2 rounds: 30 vs 25; best 40 vs 30.
     assert table.rows == [["FedRep", "0.1", "S", "3", "20.00", "40.00", "+20.00", "+5.00",
-                           "+10.00", "1 / 1", "1 / 1"]]
+                           "+10.00", "1 / 1", "1", "+20.00"]]
     assert table.columns[7] == "Δ last 2"
     with pytest.raises(ValueError, match="window"):
         reports.pairs_table([], window=0)
+
+
+def test_pairs_and_deltas_use_only_the_seeds_both_sides_ran(tmp_path):
+    # Base has seeds 0, 1 and 2, +FedSPC only 0 and 1 (a study in progress). Seed 2's
+    # Base run (80 %) must not move Δ: paired, seed 0 gives +10 and seed 1 -4.
+    cells = [
+        write_run(tmp_path, "b0", setting="S", final=0.40, curve=(0.3, 0.40)),
+        write_run(tmp_path, "b1", setting="S", seed=1, final=0.50, curve=(0.4, 0.50)),
+        write_run(tmp_path, "b2", setting="S", seed=2, final=0.80, curve=(0.7, 0.80)),
+        write_run(tmp_path, "s0", setting="S", fedspc=True, final=0.50, curve=(0.2, 0.50)),
+        write_run(tmp_path, "s1", setting="S", fedspc=True, seed=1, final=0.46,
+                  curve=(0.5, 0.46)),
+        # A base method with no +FedSPC side at all is not "left out".
+        write_run(tmp_path, "fedavg", setting="S", method="fedavg", final=0.3,
+                  curve=(0.2, 0.3)),
+    ]
+    records = load_records(tmp_path, cells)
+    table = reports.pairs_table(records)
+    # Seed-mean curves: Base (35, 45), +FedSPC (35, 48): round 1 level, round 2 ahead;
+    # both rounds' means 40 against 41.5.
+    assert table.rows == [["FedRep", "0.1", "S", "2", "45.00", "48.00", "+3.00", "+1.50",
+                           "+3.00", "1 / 0", "2", "+10.00 / -4.00"]]
+    assert table.notes == ("Left out, no run of the other side with the same seed: b2.",)
+    assert paired_delta(records, method="fedrep", alpha=0.1, setting="S") == pytest.approx(3.0)
+    assert paired_delta(records, method="fedavg", alpha=0.1, setting="S") is None
+    # Table 3 shows each side's mean over its own seeds and the paired Δ.
+    assert reports.to_markdown(reports.table3(records)).splitlines()[2] == (
+        "| FedRep | 0.1 | 56.67 ± 20.82 | 48.00 ± 2.83 | +3.00 |")
+    assert reports.table3(records).notes == (
+        reports.UNEVEN_NOTE + "FedRep α 0.1 S (Base seeds 0, 1, 2, +FedSPC 0, 1).",)
 
 
 def test_drift_table_averages_seed_means_over_the_two_halves(tmp_path):

@@ -26,8 +26,8 @@ from fedspc_app.experiments.records import (
     cell_stat,
     display_method,
     mean_curve,
-    mean_delta,
     methods_of,
+    paired_delta,
     same_alpha,
     settings_of,
     unique,
@@ -149,8 +149,7 @@ def plot_deltas(records: Sequence[ResultRecord], path: str | Path) -> Path | Non
                                                         for r in federated)]
     alphas = alphas_of(federated)
     values = {
-        (s, m, a): mean_delta(*(cell_stat(federated, method=m, fedspc=f, alpha=a,
-                                          setting=s) for f in (False, True)))
+        (s, m, a): paired_delta(federated, method=m, alpha=a, setting=s)
         for s in settings for m in methods for a in alphas
     }
     if all(v is None for v in values.values()):

@@ -204,10 +204,20 @@ def delta_text(delta: float | None) -> str:
     return MISSING if delta is None else f"{delta:+.2f}"
 
 
-def mean_delta(base: Stat, spc: Stat) -> float | None:
-    """Δ = +FedSPC − Base of the means, None when either is missing."""
-    if base.mean is None or spc.mean is None:
+def paired_delta(records: Iterable[ResultRecord], *, method: str, alpha: float | None,
+                 setting: str, metric: str = "final") -> float | None:
+    """Δ = +FedSPC − Base of a cell's mean accuracy (%) over the seeds both sides
+    have a complete run of (a seed fixes the partition, the initial model and the
+    batch order); None when no seed has both. With the same seeds on both sides it
+    is the difference of the two cells' means."""
+    records = list(records)
+    sides = [cell_runs(records, method=method, fedspc=fedspc, alpha=alpha, setting=setting,
+                       metric=metric) for fedspc in (False, True)]
+    seeds = {r.seed for r in sides[0]} & {r.seed for r in sides[1]}
+    if not seeds:
         return None
+    base, spc = (summarize(_accuracy(r, metric) for r in side if r.seed in seeds)
+                 for side in sides)
     return spc.mean - base.mean
 
 
@@ -216,15 +226,23 @@ def _accuracy(record: ResultRecord, metric: str) -> float | None:
     return None if value is None else 100.0 * value
 
 
+def cell_runs(records: Iterable[ResultRecord], *, method: str, fedspc: bool,
+              alpha: float | None, setting: str, metric: str = "final",
+              kind: str = FEDERATED) -> list[ResultRecord]:
+    """The complete runs of one table cell that have an accuracy for ``metric``."""
+    return [r for r in records
+            if r.complete and r.kind == kind and r.method == method and r.fedspc == fedspc
+            and r.setting == setting and (kind == CENTRALIZED or same_alpha(r.alpha, alpha))
+            and _accuracy(r, metric) is not None]
+
+
 def cell_stat(records: Iterable[ResultRecord], *, method: str, fedspc: bool,
               alpha: float | None, setting: str, metric: str = "final",
               kind: str = FEDERATED) -> Stat:
     """Accuracy (%) over the seeds of one table cell (complete runs only)."""
-    return summarize(
-        acc for r in records
-        if r.complete and r.kind == kind and r.method == method and r.fedspc == fedspc
-        and r.setting == setting and (kind == CENTRALIZED or same_alpha(r.alpha, alpha))
-        and (acc := _accuracy(r, metric)) is not None)
+    return summarize(_accuracy(r, metric) for r in cell_runs(
+        records, method=method, fedspc=fedspc, alpha=alpha, setting=setting,
+        metric=metric, kind=kind))
 
 
 def same_alpha(a: float | None, b: float | None) -> bool:

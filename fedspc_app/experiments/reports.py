@@ -9,7 +9,8 @@ Markdown and CSV, with the figures, in ``<grid folder>/report/``.
 * Drift (:func:`drift_table`): the shared block's drift diagnostics, the clients'
   train loss and what averaging cost them, averaged over the two halves of a run.
 * With several seeds a value is ``mean ± std`` (sample std) and Δ the difference
-  of the means; a cell without a finished run shows ``—``.
+  of the means (the pairs table: over the seeds both sides ran); a cell without a
+  finished run shows ``—``.
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ from fedspc_app.experiments.records import (
     ResultRecord,
     alpha_text,
     alphas_of,
+    cell_runs,
     cell_stat,
     delta_text,
     display_method,
     mean_curve,
-    mean_delta,
     methods_of,
+    paired_delta,
     same_alpha,
     settings_of,
 )
@@ -108,7 +110,7 @@ def table3(records: Sequence[ResultRecord], *, metric: str = "final") -> Table:
     columns = ["Method", "α"]
     for setting in settings:
         columns += [f"{setting} Base", f"{setting} +FedSPC", f"{setting} Δ"]
-    rows, csv_rows = [], []
+    rows, csv_rows, uneven = [], [], []
     for method in methods:
         for alpha in alphas_of(r for r in federated if r.method == method):
             row = [display_method(method), alpha_text(alpha)]
@@ -116,7 +118,15 @@ def table3(records: Sequence[ResultRecord], *, metric: str = "final") -> Table:
                 base, spc = (cell_stat(federated, method=method, fedspc=flag, alpha=alpha,
                                        setting=setting, metric=metric)
                              for flag in (False, True))
-                delta = mean_delta(base, spc)
+                seeds = [sorted({r.seed for r in cell_runs(
+                    federated, method=method, fedspc=flag, alpha=alpha, setting=setting,
+                    metric=metric)}) for flag in (False, True)]
+                if seeds[0] and seeds[1] and seeds[0] != seeds[1]:
+                    uneven.append(f"{display_method(method)} α {alpha_text(alpha)} "
+                                  f"{setting} (Base seeds {_seed_list(seeds[0])}, "
+                                  f"+FedSPC {_seed_list(seeds[1])})")
+                delta = paired_delta(federated, method=method, alpha=alpha,
+                                     setting=setting, metric=metric)
                 row += [base.text(), spc.text(), delta_text(delta)]
                 csv_rows.append([display_method(method), alpha_text(alpha), setting,
                                  _num(base.mean), _num(base.std), base.n,
@@ -126,61 +136,96 @@ def table3(records: Sequence[ResultRecord], *, metric: str = "final") -> Table:
                  numeric=(False, False, *[True] * (3 * len(settings))),
                  csv_columns=["method", "alpha", "setting", "base", "base_std", "base_n",
                               "fedspc", "fedspc_std", "fedspc_n", "delta"],
-                 csv_rows=csv_rows, notes=tuple(centralized_lines(records, metric=metric)))
+                 csv_rows=csv_rows, notes=tuple(
+                     ([UNEVEN_NOTE + "; ".join(uneven) + "."] if uneven else [])
+                     + centralized_lines(records, metric=metric)))
+
+
+UNEVEN_NOTE = ("Δ is over the seeds both Base and +FedSPC ran (a seed fixes the partition, "
+               "the initial model and the batch order), so it can differ from the "
+               "difference of the two means shown in: ")
+
+
+def _seed_list(seeds: Sequence[int]) -> str:
+    return ", ".join(str(seed) for seed in seeds)
 
 
 def pairs_table(records: Sequence[ResultRecord], *, window: int = 5) -> Table:
     """Base vs +FedSPC over the whole run, not only at the final round.
 
-    For each method × α × setting with complete Base and +FedSPC runs, the
+    For each method × α × setting, Base and +FedSPC are compared on the seeds
+    both have a complete run of (a seed fixes the partition, the initial model and
+    the batch order, so a difference is only meaningful between runs of one seed);
+    runs whose seed has no partner are left out and named in a note. The
     seed-mean curves are compared on the rounds both recorded: Δ at the final
     round, Δ of the mean over the last ``window`` of those rounds, Δ of the best
-    round, and in how many rounds +FedSPC is ahead of (or behind) Base. One seed's
-    final round can be noise; the window and the counts show whether a difference
-    holds over the run.
+    round, in how many rounds +FedSPC is ahead of (or behind) Base, and the final
+    Δ of each seed. One seed's final round can be noise; the window, the counts
+    and the per-seed values show whether a difference holds.
     """
     if window < 1:
         raise ValueError(f"window must be at least 1, got {window}")
     federated = [r for r in records if r.kind == FEDERATED and r.complete and r.curve]
-    rows, csv_rows = [], []
+    rows, csv_rows, unpaired = [], [], []
     for setting in settings_of(federated):
         for method in methods_of(federated):
             for alpha in alphas_of(r for r in federated if r.method == method):
-                curves = []
-                for fedspc in (False, True):
-                    chosen = [r for r in federated if r.method == method
-                              and r.fedspc == fedspc and r.setting == setting
-                              and same_alpha(r.alpha, alpha)]
-                    steps, mean, _ = mean_curve(chosen)
-                    curves.append((dict(zip(steps, mean)), len(chosen)))
-                (base, n_base), (spc, n_spc) = curves
+                sides = [[r for r in federated if r.method == method and r.fedspc == fedspc
+                          and r.setting == setting and same_alpha(r.alpha, alpha)]
+                         for fedspc in (False, True)]
+                seeds = sorted({r.seed for r in sides[0]} & {r.seed for r in sides[1]})
+                if not seeds:
+                    continue
+                unpaired += [r.name for side in sides for r in side if r.seed not in seeds]
+                base_runs, spc_runs = ([r for r in side if r.seed in seeds] for side in sides)
+                base, spc = (_curve(runs) for runs in (base_runs, spc_runs))
                 common = sorted(set(base) & set(spc))
                 if not common:
                     continue
+                last = common[-1]
                 tail = common[-window:]
-                final = spc[common[-1]] - base[common[-1]]
+                final = spc[last] - base[last]
                 tail_delta = (statistics.fmean(spc[s] for s in tail)
                               - statistics.fmean(base[s] for s in tail))
                 best = max(spc[s] for s in common) - max(base[s] for s in common)
                 ahead = sum(spc[s] > base[s] for s in common)
                 behind = sum(spc[s] < base[s] for s in common)
+                by_seed = [_seed_delta(base_runs, spc_runs, seed, last) for seed in seeds]
                 rows.append([display_method(method), alpha_text(alpha), setting,
-                             str(common[-1]), f"{base[common[-1]]:.2f}",
-                             f"{spc[common[-1]]:.2f}", delta_text(final),
-                             delta_text(tail_delta), delta_text(best),
-                             f"{ahead} / {behind}", f"{n_base} / {n_spc}"])
+                             str(last), f"{base[last]:.2f}", f"{spc[last]:.2f}",
+                             delta_text(final), delta_text(tail_delta), delta_text(best),
+                             f"{ahead} / {behind}", str(len(seeds)),
+                             " / ".join(delta_text(d) for d in by_seed)])
                 csv_rows.append([display_method(method), alpha_text(alpha), setting,
-                                 common[-1], len(tail), _num(base[common[-1]]),
-                                 _num(spc[common[-1]]), _num(final), _num(tail_delta),
-                                 _num(best), ahead, behind, n_base, n_spc])
+                                 last, len(tail), _num(base[last]), _num(spc[last]),
+                                 _num(final), _num(tail_delta), _num(best), ahead, behind,
+                                 " ".join(str(seed) for seed in seeds),
+                                 " ".join(str(_num(d)) for d in by_seed)])
+    notes = (("Left out, no run of the other side with the same seed: "
+              + ", ".join(unpaired) + "."),) if unpaired else ()
     return Table(
         columns=["Method", "α", "Setting", "Round", "Base", "+FedSPC", "Δ final",
-                 f"Δ last {window}", "Δ best", "Rounds ahead / behind", "Seeds"],
-        rows=rows, numeric=(False, False, False, *[True] * 8),
+                 f"Δ last {window}", "Δ best", "Rounds ahead / behind", "Seeds",
+                 "Δ final by seed"],
+        rows=rows, numeric=(False, False, False, *[True] * 9),
         csv_columns=["method", "alpha", "setting", "round", "window", "base", "fedspc",
                      "delta_final", "delta_window", "delta_best", "rounds_ahead",
-                     "rounds_behind", "base_n", "fedspc_n"],
-        csv_rows=csv_rows)
+                     "rounds_behind", "seeds", "delta_final_by_seed"],
+        csv_rows=csv_rows, notes=notes)
+
+
+def _curve(runs: Sequence[ResultRecord]) -> dict[int, float]:
+    steps, mean, _ = mean_curve(runs)
+    return dict(zip(steps, mean))
+
+
+def _seed_delta(base_runs: Sequence[ResultRecord], spc_runs: Sequence[ResultRecord],
+                seed: int, step: int) -> float | None:
+    """+FedSPC − Base at ``step`` for one seed (the mean of its runs on each side)."""
+    base, spc = (_curve([r for r in runs if r.seed == seed]) for runs in (base_runs, spc_runs))
+    if step not in base or step not in spc:
+        return None
+    return spc[step] - base[step]
 
 
 # (series, column, format) of the drift table, in its column order.
