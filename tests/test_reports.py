@@ -257,6 +257,42 @@ def test_pairs_and_deltas_use_only_the_seeds_both_sides_ran(tmp_path):
         reports.UNEVEN_NOTE + "FedRep α 0.1 S (Base seeds 0, 1, 2, +FedSPC 0, 1).",)
 
 
+def _with_clients(run_dir: Path, sizes: list[int], accuracy: dict[str, float]) -> None:
+    """Give a written run a partition of ``sizes`` training images and the final
+    round's per-client accuracies."""
+    (run_dir / "partition.json").write_text(json.dumps({
+        "num_clients": len(sizes), "num_classes": 1,
+        "train_counts": [[n] for n in sizes], "test_counts": [[1] for _ in sizes]}))
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    metrics["rounds"][-1]["client-accuracy"] = accuracy
+    (run_dir / "metrics.json").write_text(json.dumps(metrics))
+
+
+def test_clients_table_compares_each_client_of_each_paired_seed(tmp_path):
+    runs = [  # name, seed, fedspc, sizes, per-client accuracy
+        ("b0", 0, False, [30, 10, 20], {"0": 0.50, "1": 0.40, "2": 0.60}),
+        ("s0", 0, True, [30, 10, 20], {"0": 0.55, "1": 0.30, "2": 0.60}),
+        ("b1", 1, False, [5, 50], {"0": 0.20, "1": 0.30}),
+        ("s1", 1, True, [5, 50], {"0": 0.32, "1": 0.25}),
+        # Seed 2's two runs have different partitions: not comparable client by client.
+        ("b2", 2, False, [7], {"0": 0.1}),
+        ("s2", 2, True, [8], {"0": 0.9}),
+    ]
+    cells = []
+    for name, seed, fedspc, sizes, accuracy in runs:
+        cells.append(write_run(tmp_path, name, setting="S", fedspc=fedspc, seed=seed,
+                               final=0.5, curve=(0.5,)))
+        _with_clients(tmp_path / name, sizes, accuracy)
+    table = reports.clients_table(load_records(tmp_path, cells))
+    # Δ_k: seed 0 +5, -10, 0 (sizes 30, 10, 20); seed 1 +12, -5 (sizes 5, 50).
+    # Smaller half: client 1 of seed 0 (-10) and client 0 of seed 1 (+12) -> +1;
+    # larger half: client 0 of seed 0 (+5), client 1 of seed 1 (-5) -> 0.
+    assert table.rows == [["FedRep", "0.1", "S", "2", "5", "2 / 2", "+0.40", "+0.00",
+                           "-10.00", "+12.00", "+1.00", "+0.00"]]
+    assert table.notes == ("Left out, the two runs' partitions differ: b2 / s2.",)
+    assert table.csv_rows[0][3:7] == [2, 5, 2, 2]
+
+
 def test_drift_table_averages_seed_means_over_the_two_halves(tmp_path):
     cells = [
         write_run(tmp_path, "base", setting="S", final=0.4, curve=(0.1, 0.2, 0.3, 0.4),

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fedspc_app.core.errors import DataError
+from fedspc_app.core.partition import PARTITION_JSON, load_partition_counts
 from fedspc_app.core.results import DRIFT_COLUMNS
 from fedspc_app.experiments.layout import GRID_JSON, read_failures, read_json
 
@@ -42,7 +43,10 @@ class ResultRecord:
     ``status`` is ``complete``, ``partial`` (started, not finished), ``failed`` or
     ``missing``; ``rounds`` counts epochs for centralized runs; accuracies are
     fractions in [0, 1] (final: the last evaluated round); ``curve`` holds
-    ``(round or epoch, accuracy)`` pairs; ``run_dir`` is the results folder.
+    ``(round or epoch, accuracy)`` pairs; ``run_dir`` is the results folder;
+    ``client_accuracy`` maps a partition id to its accuracy in the last evaluated
+    round and ``client_train_sizes`` to its training images (from the run's
+    ``partition.json``; empty without one).
     """
 
     name: str
@@ -62,6 +66,8 @@ class ResultRecord:
     curve: tuple[tuple[int, float], ...] = ()
     run_dir: Path | None = None
     series: Mapping[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    client_accuracy: Mapping[str, float] = field(default_factory=dict)
+    client_train_sizes: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -108,6 +114,9 @@ def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
                                   if isinstance(r, dict)
                                   and isinstance(r.get(key), (int, float))))}
 
+    clients = next((r["client-accuracy"] for r in reversed(rows) if isinstance(r, dict)
+                    and isinstance(r.get("client-accuracy"), dict)), {})
+
     if summary.get("complete") is True:
         status = "complete"
     elif failed:
@@ -147,7 +156,21 @@ def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
         curve=curve,
         run_dir=run_dir,
         series=series,
+        client_accuracy={str(k): float(v) for k, v in clients.items()
+                         if isinstance(v, (int, float))},
+        client_train_sizes=_train_sizes(run_dir) if kind == FEDERATED else {},
     )
+
+
+def _train_sizes(run_dir: Path) -> dict[str, int]:
+    """Training images per partition id from the run's partition file, {} without one."""
+    if not (run_dir / PARTITION_JSON).is_file():
+        return {}
+    try:
+        counts = load_partition_counts(run_dir)["train_counts"]
+    except DataError:
+        return {}
+    return {str(k): int(row.sum()) for k, row in enumerate(counts)}
 
 
 def load_records(grid_dir: str | Path,

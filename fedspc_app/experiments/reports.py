@@ -6,6 +6,7 @@ Markdown and CSV, with the figures, in ``<grid folder>/report/``.
 * Table 3 (:func:`table3`): rows PFL method × α; per setting Base, +FedSPC and
   Δ = +FedSPC − Base.
 * Pairs (:func:`pairs_table`): Base vs +FedSPC over the whole run.
+* Clients (:func:`clients_table`): Base vs +FedSPC client by client.
 * Drift (:func:`drift_table`): the shared block's drift diagnostics, the clients'
   train loss and what averaging cost them, averaged over the two halves of a run.
 * With several seeds a value is ``mean ± std`` (sample std) and Δ the difference
@@ -165,44 +166,31 @@ def pairs_table(records: Sequence[ResultRecord], *, window: int = 5) -> Table:
     """
     if window < 1:
         raise ValueError(f"window must be at least 1, got {window}")
-    federated = [r for r in records if r.kind == FEDERATED and r.complete and r.curve]
-    rows, csv_rows, unpaired = [], [], []
-    for setting in settings_of(federated):
-        for method in methods_of(federated):
-            for alpha in alphas_of(r for r in federated if r.method == method):
-                sides = [[r for r in federated if r.method == method and r.fedspc == fedspc
-                          and r.setting == setting and same_alpha(r.alpha, alpha)]
-                         for fedspc in (False, True)]
-                seeds = sorted({r.seed for r in sides[0]} & {r.seed for r in sides[1]})
-                if not seeds:
-                    continue
-                unpaired += [r.name for side in sides for r in side if r.seed not in seeds]
-                base_runs, spc_runs = ([r for r in side if r.seed in seeds] for side in sides)
-                base, spc = (_curve(runs) for runs in (base_runs, spc_runs))
-                common = sorted(set(base) & set(spc))
-                if not common:
-                    continue
-                last = common[-1]
-                tail = common[-window:]
-                final = spc[last] - base[last]
-                tail_delta = (statistics.fmean(spc[s] for s in tail)
-                              - statistics.fmean(base[s] for s in tail))
-                best = max(spc[s] for s in common) - max(base[s] for s in common)
-                ahead = sum(spc[s] > base[s] for s in common)
-                behind = sum(spc[s] < base[s] for s in common)
-                by_seed = [_seed_delta(base_runs, spc_runs, seed, last) for seed in seeds]
-                rows.append([display_method(method), alpha_text(alpha), setting,
-                             str(last), f"{base[last]:.2f}", f"{spc[last]:.2f}",
-                             delta_text(final), delta_text(tail_delta), delta_text(best),
-                             f"{ahead} / {behind}", str(len(seeds)),
-                             " / ".join(delta_text(d) for d in by_seed)])
-                csv_rows.append([display_method(method), alpha_text(alpha), setting,
-                                 last, len(tail), _num(base[last]), _num(spc[last]),
-                                 _num(final), _num(tail_delta), _num(best), ahead, behind,
-                                 " ".join(str(seed) for seed in seeds),
-                                 " ".join(str(_num(d)) for d in by_seed)])
-    notes = (("Left out, no run of the other side with the same seed: "
-              + ", ".join(unpaired) + "."),) if unpaired else ()
+    rows, csv_rows = [], []
+    pairs = _pairs(records)
+    for pair in pairs:
+        base, spc = _curve(pair.base), _curve(pair.spc)
+        common = sorted(set(base) & set(spc))
+        if not common:
+            continue
+        last = common[-1]
+        tail = common[-window:]
+        final = spc[last] - base[last]
+        tail_delta = (statistics.fmean(spc[s] for s in tail)
+                      - statistics.fmean(base[s] for s in tail))
+        best = max(spc[s] for s in common) - max(base[s] for s in common)
+        ahead = sum(spc[s] > base[s] for s in common)
+        behind = sum(spc[s] < base[s] for s in common)
+        by_seed = [_seed_delta(pair.base, pair.spc, seed, last) for seed in pair.seeds]
+        rows.append([*pair.key, str(last), f"{base[last]:.2f}", f"{spc[last]:.2f}",
+                     delta_text(final), delta_text(tail_delta), delta_text(best),
+                     f"{ahead} / {behind}", str(len(pair.seeds)),
+                     " / ".join(delta_text(d) for d in by_seed)])
+        csv_rows.append([*pair.key, last, len(tail), _num(base[last]), _num(spc[last]),
+                         _num(final), _num(tail_delta), _num(best), ahead, behind,
+                         " ".join(str(seed) for seed in pair.seeds),
+                         " ".join(str(_num(d)) for d in by_seed)])
+    notes = _unpaired_note(pairs)
     return Table(
         columns=["Method", "α", "Setting", "Round", "Base", "+FedSPC", "Δ final",
                  f"Δ last {window}", "Δ best", "Rounds ahead / behind", "Seeds",
@@ -212,6 +200,47 @@ def pairs_table(records: Sequence[ResultRecord], *, window: int = 5) -> Table:
                      "delta_final", "delta_window", "delta_best", "rounds_ahead",
                      "rounds_behind", "seeds", "delta_final_by_seed"],
         csv_rows=csv_rows, notes=notes)
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """Base and +FedSPC runs of one method × α × setting on the seeds both ran."""
+
+    key: tuple[str, str, str]  # display method, α text, setting
+    seeds: list[int]
+    base: list[ResultRecord]
+    spc: list[ResultRecord]
+    unpaired: list[str]  # names of runs whose seed the other side lacks
+
+
+def _pairs(records: Sequence[ResultRecord]) -> list[_Pair]:
+    """Every method × α × setting with complete Base and +FedSPC runs of a common
+    seed (a seed fixes the partition, the initial model and the batch order, so a
+    difference is only meaningful between runs of one seed)."""
+    federated = [r for r in records if r.kind == FEDERATED and r.complete and r.curve]
+    pairs = []
+    for setting in settings_of(federated):
+        for method in methods_of(federated):
+            for alpha in alphas_of(r for r in federated if r.method == method):
+                sides = [[r for r in federated if r.method == method and r.fedspc == fedspc
+                          and r.setting == setting and same_alpha(r.alpha, alpha)]
+                         for fedspc in (False, True)]
+                seeds = sorted({r.seed for r in sides[0]} & {r.seed for r in sides[1]})
+                if not seeds:
+                    continue
+                base, spc = ([r for r in side if r.seed in seeds] for side in sides)
+                pairs.append(_Pair(
+                    (display_method(method), alpha_text(alpha), setting), seeds, base, spc,
+                    [r.name for side in sides for r in side if r.seed not in seeds]))
+    return pairs
+
+
+def _unpaired_note(pairs: Sequence[_Pair]) -> tuple[str, ...]:
+    names = [name for pair in pairs for name in pair.unpaired]
+    if not names:
+        return ()
+    return ("Left out, no run of the other side with the same seed: "
+            + ", ".join(names) + ".",)
 
 
 def _curve(runs: Sequence[ResultRecord]) -> dict[int, float]:
@@ -226,6 +255,66 @@ def _seed_delta(base_runs: Sequence[ResultRecord], spc_runs: Sequence[ResultReco
     if step not in base or step not in spc:
         return None
     return spc[step] - base[step]
+
+
+def clients_table(records: Sequence[ResultRecord]) -> Table:
+    """Base vs +FedSPC client by client, in the last evaluated round.
+
+    A seed fixes the partition, so a Base and a +FedSPC run of one seed have the
+    same clients; for every client of every paired seed Δ_k = its +FedSPC accuracy
+    − its Base accuracy (points). The row counts the clients ahead and behind,
+    gives the mean (which is the pair's Δ of personalized accuracy), median and
+    range of Δ_k, and the mean Δ_k of the smaller and the larger half of each
+    seed's clients by training images (the middle client of an odd count in
+    neither), to show whether the correction pays for small or large clients.
+    """
+    rows, csv_rows, mismatched = [], [], []
+    pairs = _pairs(records)
+    for pair in pairs:
+        deltas: list[float] = []
+        small: list[float] = []
+        large: list[float] = []
+        used = 0
+        for seed in pair.seeds:
+            base = next(r for r in pair.base if r.seed == seed)
+            spc = next(r for r in pair.spc if r.seed == seed)
+            if spc.client_train_sizes != base.client_train_sizes:
+                mismatched.append(f"{base.name} / {spc.name}")
+                continue
+            ids = sorted(set(base.client_accuracy) & set(spc.client_accuracy))
+            delta = {k: 100.0 * (spc.client_accuracy[k] - base.client_accuracy[k])
+                     for k in ids}
+            deltas += delta.values()
+            used += 1
+            sized = sorted((k for k in ids if k in base.client_train_sizes),
+                           key=lambda k: (base.client_train_sizes[k], k))
+            half = len(sized) // 2
+            small += [delta[k] for k in sized[:half]]
+            large += [delta[k] for k in sized[len(sized) - half:]] if half else []
+        if not deltas:
+            continue
+        stats = [statistics.fmean(deltas), statistics.median(deltas), min(deltas),
+                 max(deltas), statistics.fmean(small) if small else None,
+                 statistics.fmean(large) if large else None]
+        ahead = sum(d > 0 for d in deltas)
+        behind = sum(d < 0 for d in deltas)
+        rows.append([*pair.key, str(used), str(len(deltas)),
+                     f"{ahead} / {behind}", *(delta_text(v) for v in stats)])
+        csv_rows.append([*pair.key, used, len(deltas), ahead, behind,
+                         *(_num(v) for v in stats)])
+    notes = _unpaired_note(pairs)
+    if mismatched:
+        notes += ("Left out, the two runs' partitions differ: " + ", ".join(mismatched)
+                  + ".",)
+    return Table(
+        columns=["Method", "α", "Setting", "Seeds", "Clients", "Clients ahead / behind",
+                 "Mean Δ_k", "Median Δ_k", "Min Δ_k", "Max Δ_k", "Smaller half",
+                 "Larger half"],
+        rows=rows, numeric=(False, False, False, *[True] * 9),
+        csv_columns=["method", "alpha", "setting", "seeds", "clients", "clients_ahead",
+                     "clients_behind", "mean", "median", "min", "max", "smaller_half",
+                     "larger_half"],
+        csv_rows=csv_rows, notes=notes)
 
 
 # (series, column, format) of the drift table, in its column order.
@@ -406,6 +495,10 @@ def write_report(records: Sequence[ResultRecord], out_dir: str | Path, *,
                                    "the final round, over the last 5 rounds and at the "
                                    "best round; rounds where +FedSPC is ahead / behind",
                           pairs_table(records)))
+    clients = clients_table(records)
+    if clients.rows:
+        tables.insert(3, ("clients", ("Base vs +FedSPC client by client, last evaluated "
+                                      "round: Δ_k = +FedSPC − Base (points)"), clients))
     drift = drift_table(records)
     if drift.rows:
         tables.append(("drift", ("Drift of the shared block, train loss and averaging "
