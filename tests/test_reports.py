@@ -400,5 +400,24 @@ def test_labels_keep_grids_of_one_setting_apart(tmp_path):
         ["E = 1", "2", "40.00", "38.00", "-2.00"], ["E = 5", "2", "50.00", "46.00", "-4.00"]]
     with pytest.raises(ConfigError, match="1 labels for 2 grids"):
         cli.report([str(e1), str(e5)], str(tmp_path / "x"), None, labels=["E = 1"])
-    with pytest.raises(ConfigError, match="must differ"):
+    # One label pools grids as seeds of one setting, but not the same seed twice.
+    with pytest.raises(ConfigError, match="e1 and e5 share the label 'a' and both hold "
+                                          "FedRep alpha=0.1 seed=0"):
         cli.report([str(e1), str(e5)], str(tmp_path / "x"), None, labels=["a", "a"])
+    assert not (tmp_path / "x").exists()
+
+
+def test_one_label_pools_a_seed_grid_with_the_grid_it_repeats(tmp_path):
+    first, more = tmp_path / "first", tmp_path / "more"
+    write_run(first, "fedrep", setting="ignored", final=0.4, curve=(0.4,))
+    write_run(first, "fedrep+fedspc", setting="ignored", fedspc=True, final=0.38,
+              curve=(0.38,))
+    write_run(first, "fedavg", setting="ignored", method="fedavg", final=0.3, curve=(0.3,))
+    write_run(more, "fedrep-s1", setting="ignored", seed=1, final=0.5, curve=(0.5,))
+    write_run(more, "fedrep+fedspc-s1", setting="ignored", fedspc=True, seed=1, final=0.44,
+              curve=(0.44,))
+    out = cli.report([str(first), str(more)], str(tmp_path / "pooled"), None,
+                     labels=["E1", "E1"])
+    pairs = (out / "pairs.md").read_text().splitlines()[2]
+    assert pairs.split(" | ")[2:7] == ["E1", "1", "45.00", "41.00", "-4.00"]
+    assert pairs.endswith("| 2 | -2.00 / -6.00 |")

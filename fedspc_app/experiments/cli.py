@@ -86,13 +86,32 @@ def labelled(records: list, label: str) -> list:
                                 else f"{label} {r.setting}") for r in records]
 
 
+def _check_pooled(loaded: list) -> None:
+    """Grids given one label pool their runs as seeds of one setting; two grids
+    must not both hold a run of the same cell and seed."""
+    seen: dict[tuple, tuple[int, str]] = {}
+    for index, (_, title, grid) in enumerate(loaded):
+        for r in grid:
+            key = (r.setting, r.kind, r.method, r.fedspc, r.alpha, r.seed)
+            other, other_title = seen.setdefault(key, (index, title))
+            if other != index:
+                raise ConfigError(
+                    f"--label: {other_title} and {title} share the label {r.setting!r} and "
+                    f"both hold {r.label}"
+                    + (f" alpha={r.alpha:g}" if r.alpha is not None else "")
+                    + f" seed={r.seed} ({r.name}); "
+                    "grids pooled under one label must hold different seeds")
+
+
 def report(targets: str | list[str], out: str | None, output_dir: str | None,
            labels: Sequence[str] | None = None) -> Path:
     """Write the report of one grid, or of several together (then ``out`` is needed).
 
     ``labels`` (one per grid) name each grid's setting in the tables and figures;
     without them, runs of the same dataset, model, method and α in different grids
-    count as seeds of one cell.
+    count as seeds of one cell. Grids given the same label are one setting (for
+    example a grid of more seeds beside the grid it repeats); they must not hold
+    the same cell with the same seed.
     """
     targets = [targets] if isinstance(targets, str) else list(targets)
     if len(targets) > 1 and not out:
@@ -100,11 +119,10 @@ def report(targets: str | list[str], out: str | None, output_dir: str | None,
     if labels and len(labels) != len(targets):
         raise ConfigError(f"--label: {len(labels)} labels for {len(targets)} grids; "
                           f"give one per grid, in the grids' order")
-    if labels and len(set(labels)) != len(labels):
-        raise ConfigError("--label: the labels must differ")
     loaded = [grid_records(target, output_dir) for target in targets]
     if labels:
         loaded = [(d, t, labelled(g, label)) for (d, t, g), label in zip(loaded, labels)]
+        _check_pooled(loaded)
     records = [record for _, _, grid in loaded for record in grid]
     out_dir = Path(out) if out else loaded[0][0] / REPORT_DIR
     title = " + ".join(title for _, title, _ in loaded)
@@ -179,7 +197,8 @@ def _add_grid_commands(commands: argparse._SubParsersAction) -> None:
     sub.add_argument("--label", action="append",
                      help="the setting name of each grid, once per grid in order (e.g. "
                           "a regime study: --label 'E = 1' --label 'E = 5'); keeps "
-                          "grids of one dataset and model apart")
+                          "grids of one dataset and model apart; grids given the same "
+                          "label are pooled as seeds of one setting")
     sub.set_defaults(handler=report_command)
 
 
