@@ -283,6 +283,10 @@ def test_clients_table_compares_each_client_of_each_paired_seed(tmp_path):
         cells.append(write_run(tmp_path, name, setting="S", fedspc=fedspc, seed=seed,
                                final=0.5, curve=(0.5,)))
         _with_clients(tmp_path / name, sizes, accuracy)
+    # Seed 3 recorded no per-client accuracy (an older run): paired, but not counted.
+    cells += [write_run(tmp_path, "b3", setting="S", seed=3, final=0.5, curve=(0.5,)),
+              write_run(tmp_path, "s3", setting="S", fedspc=True, seed=3, final=0.5,
+                        curve=(0.5,))]
     table = reports.clients_table(load_records(tmp_path, cells))
     # Δ_k: seed 0 +5, -10, 0 (sizes 30, 10, 20); seed 1 +12, -5 (sizes 5, 50).
     # Smaller half: client 1 of seed 0 (-10) and client 0 of seed 1 (+12) -> +1;

@@ -248,6 +248,15 @@ def _curve(runs: Sequence[ResultRecord]) -> dict[int, float]:
     return dict(zip(steps, mean))
 
 
+def _client_means(runs: Sequence[ResultRecord]) -> dict[str, float]:
+    """Each client's accuracy (%) in the last evaluated round, mean over ``runs``."""
+    values: dict[str, list[float]] = {}
+    for run in runs:
+        for k, accuracy in run.client_accuracy.items():
+            values.setdefault(k, []).append(100.0 * accuracy)
+    return {k: statistics.fmean(v) for k, v in values.items()}
+
+
 def _seed_delta(base_runs: Sequence[ResultRecord], spc_runs: Sequence[ResultRecord],
                 seed: int, step: int) -> float | None:
     """+FedSPC − Base at ``step`` for one seed (the mean of its runs on each side)."""
@@ -262,7 +271,8 @@ def clients_table(records: Sequence[ResultRecord]) -> Table:
 
     A seed fixes the partition, so a Base and a +FedSPC run of one seed have the
     same clients; for every client of every paired seed Δ_k = its +FedSPC accuracy
-    − its Base accuracy (points). The row counts the clients ahead and behind,
+    − its Base accuracy (points; the mean of a side's runs of that seed when it
+    has several). The row counts the clients ahead and behind,
     gives the mean (which is the pair's Δ of personalized accuracy), median and
     range of Δ_k, and the mean Δ_k of the smaller and the larger half of each
     seed's clients by training images (the middle client of an odd count in
@@ -276,18 +286,19 @@ def clients_table(records: Sequence[ResultRecord]) -> Table:
         large: list[float] = []
         used = 0
         for seed in pair.seeds:
-            base = next(r for r in pair.base if r.seed == seed)
-            spc = next(r for r in pair.spc if r.seed == seed)
-            if spc.client_train_sizes != base.client_train_sizes:
-                mismatched.append(f"{base.name} / {spc.name}")
+            runs = [r for r in pair.base + pair.spc if r.seed == seed]
+            sizes = runs[0].client_train_sizes
+            if any(r.client_train_sizes != sizes for r in runs):
+                mismatched.append(" / ".join(r.name for r in runs))
                 continue
-            ids = sorted(set(base.client_accuracy) & set(spc.client_accuracy))
-            delta = {k: 100.0 * (spc.client_accuracy[k] - base.client_accuracy[k])
-                     for k in ids}
+            base = _client_means([r for r in pair.base if r.seed == seed])
+            spc = _client_means([r for r in pair.spc if r.seed == seed])
+            delta = {k: spc[k] - base[k] for k in sorted(set(base) & set(spc))}
+            if not delta:
+                continue
             deltas += delta.values()
             used += 1
-            sized = sorted((k for k in ids if k in base.client_train_sizes),
-                           key=lambda k: (base.client_train_sizes[k], k))
+            sized = sorted((k for k in delta if k in sizes), key=lambda k: (sizes[k], k))
             half = len(sized) // 2
             small += [delta[k] for k in sized[:half]]
             large += [delta[k] for k in sized[len(sized) - half:]] if half else []
