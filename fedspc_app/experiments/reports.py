@@ -10,7 +10,7 @@ Markdown and CSV, with the figures, in ``<grid folder>/report/``.
 * Drift (:func:`drift_table`): the shared block's drift diagnostics, the clients'
   train loss and what averaging cost them, averaged over the two halves of a run.
 * With several seeds a value is ``mean ± std`` (sample std) and Δ the difference
-  of the means (the pairs table: over the seeds both sides ran); a cell without a
+  of the means over the seeds both Base and +FedSPC ran; a cell without a
   finished run shows ``—``.
 """
 
