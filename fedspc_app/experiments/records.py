@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fedspc_app.core.errors import DataError
-from fedspc_app.core.partition import PARTITION_JSON, load_partition_counts
+from fedspc_app.core.partition import load_partition_counts
 from fedspc_app.core.results import DRIFT_COLUMNS
 from fedspc_app.experiments.layout import GRID_JSON, read_failures, read_json
 
@@ -164,8 +164,6 @@ def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
 
 def _train_sizes(run_dir: Path) -> dict[str, int]:
     """Training images per partition id from the run's partition file, {} without one."""
-    if not (run_dir / PARTITION_JSON).is_file():
-        return {}
     try:
         counts = load_partition_counts(run_dir)["train_counts"]
     except DataError:
