@@ -232,14 +232,21 @@ def paired_delta(records: Iterable[ResultRecord], *, method: str, alpha: float |
     batch order); None when no seed has both. With the same seeds on both sides it
     is the difference of the two cells' means."""
     records = list(records)
-    sides = [cell_runs(records, method=method, fedspc=fedspc, alpha=alpha, setting=setting,
-                       metric=metric) for fedspc in (False, True)]
-    seeds = {r.seed for r in sides[0]} & {r.seed for r in sides[1]}
+    base, spc = (cell_runs(records, method=method, fedspc=fedspc, alpha=alpha,
+                           setting=setting, metric=metric) for fedspc in (False, True))
+    return delta_over_shared_seeds(base, spc, metric=metric)
+
+
+def delta_over_shared_seeds(base: Sequence[ResultRecord], spc: Sequence[ResultRecord], *,
+                            metric: str = "final") -> float | None:
+    """Mean accuracy (%) of ``spc`` minus that of ``base``, both restricted to the
+    seeds the two lists share; None when they share none."""
+    seeds = {r.seed for r in base} & {r.seed for r in spc}
     if not seeds:
         return None
-    base, spc = (summarize(_accuracy(r, metric) for r in side if r.seed in seeds)
-                 for side in sides)
-    return spc.mean - base.mean
+    base_stat, spc_stat = (runs_stat((r for r in side if r.seed in seeds), metric=metric)
+                           for side in (base, spc))
+    return spc_stat.mean - base_stat.mean
 
 
 def _accuracy(record: ResultRecord, metric: str) -> float | None:
@@ -261,9 +268,13 @@ def cell_stat(records: Iterable[ResultRecord], *, method: str, fedspc: bool,
               alpha: float | None, setting: str, metric: str = "final",
               kind: str = FEDERATED) -> Stat:
     """Accuracy (%) over the seeds of one table cell (complete runs only)."""
-    return summarize(_accuracy(r, metric) for r in cell_runs(
-        records, method=method, fedspc=fedspc, alpha=alpha, setting=setting,
-        metric=metric, kind=kind))
+    return runs_stat(cell_runs(records, method=method, fedspc=fedspc, alpha=alpha,
+                               setting=setting, metric=metric, kind=kind), metric=metric)
+
+
+def runs_stat(runs: Iterable[ResultRecord], *, metric: str = "final") -> Stat:
+    """Accuracy (%) over ``runs``: mean, standard deviation and count."""
+    return summarize(_accuracy(r, metric) for r in runs)
 
 
 def same_alpha(a: float | None, b: float | None) -> bool:

@@ -43,11 +43,12 @@ from fedspc_app.experiments.records import (
     alphas_of,
     cell_runs,
     cell_stat,
+    delta_over_shared_seeds,
     delta_text,
     display_method,
     mean_curve,
     methods_of,
-    paired_delta,
+    runs_stat,
     same_alpha,
     settings_of,
 )
@@ -116,18 +117,15 @@ def table3(records: Sequence[ResultRecord], *, metric: str = "final") -> Table:
         for alpha in alphas_of(r for r in federated if r.method == method):
             row = [display_method(method), alpha_text(alpha)]
             for setting in settings:
-                base, spc = (cell_stat(federated, method=method, fedspc=flag, alpha=alpha,
-                                       setting=setting, metric=metric)
-                             for flag in (False, True))
-                seeds = [sorted({r.seed for r in cell_runs(
-                    federated, method=method, fedspc=flag, alpha=alpha, setting=setting,
-                    metric=metric)}) for flag in (False, True)]
+                sides = [cell_runs(federated, method=method, fedspc=flag, alpha=alpha,
+                                   setting=setting, metric=metric) for flag in (False, True)]
+                base, spc = (runs_stat(side, metric=metric) for side in sides)
+                seeds = [sorted({r.seed for r in side}) for side in sides]
                 if seeds[0] and seeds[1] and seeds[0] != seeds[1]:
                     uneven.append(f"{display_method(method)} α {alpha_text(alpha)} "
                                   f"{setting} (Base seeds {_seed_list(seeds[0])}, "
                                   f"+FedSPC {_seed_list(seeds[1])})")
-                delta = paired_delta(federated, method=method, alpha=alpha,
-                                     setting=setting, metric=metric)
+                delta = delta_over_shared_seeds(*sides, metric=metric)
                 row += [base.text(), spc.text(), delta_text(delta)]
                 csv_rows.append([display_method(method), alpha_text(alpha), setting,
                                  _num(base.mean), _num(base.std), base.n,
