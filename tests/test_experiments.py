@@ -323,6 +323,24 @@ def test_runner_skips_finished_cells_and_reports_progress(tmp_path):
     assert again.calls == []
 
 
+def test_the_plan_and_the_progress_say_how_far_an_interrupted_cell_got(tmp_path):
+    grid = small_grid(tmp_path)
+    stopped, broken = grid.cells[0], grid.cells[1]
+    for cell, text in ((stopped, json.dumps({"round": 3, "elapsed-seconds": 125.4})),
+                       (broken, "{not json")):
+        cell.run_dir.mkdir(parents=True)
+        (cell.run_dir / "checkpoint.json").write_text(text)
+    lines = []
+    runner.print_plan(grid, grid.cells, echo=lines.append)
+    note = " (resumes after round 3 of 10, 0:02:05 run so far)"
+    assert lines[2].startswith(f"  pending {stopped.name} ") and lines[2].endswith(note)
+    # An unreadable checkpoint is the run's to report when it resumes, not the plan's.
+    assert lines[3].startswith(f"  pending {broken.name} ") and lines[3].endswith("batch 64")
+    lines = []
+    run_grid(grid, grid.cells[:1], runner=FakeRunner(), echo=lines.append)
+    assert lines[1].endswith(note) and lines[1].startswith(f"[1/1] {stopped.name}: ")
+
+
 def test_a_failing_cell_is_recorded_and_the_others_still_run(tmp_path):
     grid = small_grid(tmp_path)
     bad = grid.cells[1].name

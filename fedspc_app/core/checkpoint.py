@@ -137,6 +137,17 @@ def read_checkpoint(run_dir: Path, identity: dict[str, Any]) -> Checkpoint | Non
     )
 
 
+def saved_progress(run_dir: Path) -> tuple[int, float] | None:
+    """(round, elapsed seconds) of the checkpoint in ``run_dir``, read from its JSON
+    alone, for progress listings; None when there is none or it is unreadable (the
+    run itself reports that when it resumes)."""
+    try:
+        payload = json.loads((Path(run_dir) / CHECKPOINT_JSON).read_text())
+        return int(payload["round"]), float(payload.get("elapsed-seconds") or 0.0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def remove_checkpoint(run_dir: Path) -> None:
     run_dir = Path(run_dir)
     (run_dir / CHECKPOINT_JSON).unlink(missing_ok=True)

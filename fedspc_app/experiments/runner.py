@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from fedspc_app.core.checkpoint import CHECKPOINT_JSON
+from fedspc_app.core.checkpoint import CHECKPOINT_JSON, saved_progress
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.files import atomic_write
 from fedspc_app.core.results import CONFIG_JSON, SUMMARY_JSON, format_duration
@@ -66,6 +66,16 @@ def cell_status(cell: Cell, failures: Mapping[str, Any]) -> str:
     if is_done(cell):
         return "done"
     return "failed" if cell.name in failures else "pending"
+
+
+def progress_note(cell: Cell) -> str:
+    """How far an unfinished federated cell got (its checkpoint), or ""."""
+    saved = None if cell.kind == "centralized" else saved_progress(cell.run_dir)
+    if saved is None:
+        return ""
+    rounds, seconds = saved
+    return (f" (resumes after round {rounds} of {cell.run_config['num-rounds']}, "
+            f"{format_duration(seconds)} run so far)")
 
 
 def describe(cell: Cell) -> str:
@@ -263,7 +273,7 @@ def run_grid(grid: Grid, cells: Sequence[Cell], *,
         log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(log_file, "a", encoding="utf-8") as handle:
             handle.write(f"\n=== {cell.name} | {_now()} | {describe(cell)}\n")
-        echo(f"[{done + 1}/{total}] {cell.name}: {describe(cell)}")
+        echo(f"[{done + 1}/{total}] {cell.name}: {describe(cell)}{progress_note(cell)}")
         cell_started = clock()
         try:
             summary = runner(cell, log_file)
@@ -313,4 +323,5 @@ def print_plan(grid: Grid, cells: Sequence[Cell], echo: Echo = print) -> None:
                                             if sim.timeout else ""))
     width = max(len(cell.name) for cell in cells) if cells else 0
     for cell, status in zip(cells, statuses):
-        echo(f"  {status:<7} {cell.name:<{width}}  {describe(cell)}")
+        note = progress_note(cell) if status != "done" else ""
+        echo(f"  {status:<7} {cell.name:<{width}}  {describe(cell)}{note}")
