@@ -21,6 +21,7 @@ from clients.durable import SIMULATION_FOLDER
 from fedspc_app.core.checkpoint import TRAINED, RoundRecords, fingerprint, resume_point
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError, FedSPCError
+from fedspc_app.core.files import folder_lock
 from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.partition import save_partition
 from fedspc_app.core.results import RunRecorder, TrafficGrid
@@ -75,10 +76,21 @@ def wait_for_clients(grid: Grid, expected: int, timeout: float = 600.0) -> int:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Run a federated training as the run-config describes."""
-    deployment = is_deployment(grid)
+    """Run a federated training as the run-config describes, holding its results
+    folder's lock (one run at a time writes a folder)."""
     try:
         config = parse_run_config(context.run_config)
+        with folder_lock(config.run_dir, f"run {config.resolved_run_name!r}"):
+            run(grid, config)
+    except FedSPCError as error:
+        log(ERROR, "Run not started: %s", error)
+        raise SystemExit(f"fedspc: {error}") from None
+
+
+def run(grid: Grid, config: RunConfig) -> None:
+    """Check the data and partition, then train (resuming from a checkpoint)."""
+    deployment = is_deployment(grid)
+    try:
         method = get_method(config.method)
         if deployment and not config.num_clients:
             raise ConfigError(

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.files import folder_lock
 from fedspc_app.experiments import cli, runner
 from fedspc_app.experiments.grid import (
     Cell,
@@ -392,6 +393,23 @@ def test_cli_runs_only_selected_pending_cells_then_reports(tmp_path, monkeypatch
     plan = capsys.readouterr().out
     assert "done    fedper-a0.1" in plan and "failed  fedrep-a0.1" in plan
     assert "pending fedper-a1" in plan
+
+
+def test_a_grid_being_run_is_not_run_twice(tmp_path, monkeypatch, capsys):
+    path = write_yaml(tmp_path / "tiny.yaml", {"base": {"num-rounds": 2},
+                                               "axes": {"method": ["fedper"]}})
+    calls = []
+    monkeypatch.setattr(runner, "run_federated_cell",
+                        lambda cell, *_, **__: calls.append(cell.name))
+    out = tmp_path / "results"
+    with folder_lock(out / "tiny", "grid 'tiny' (the first)"):
+        assert cli.main(["list", str(path), "--output-dir", str(out)]) == 0
+        assert "Running now: grid 'tiny' (the first) (pid" in capsys.readouterr().out
+        assert cli.main(["run", str(path), "--output-dir", str(out)]) == 2
+        assert "tiny is in use by grid 'tiny' (the first)" in capsys.readouterr().err
+    assert calls == [] and not (out / "tiny").exists()
+    assert cli.main(["list", str(path), "--output-dir", str(out)]) == 0
+    assert "Running now" not in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------- end to end

@@ -23,6 +23,7 @@ from fedspc_app import client_app, server_app
 from fedspc_app.client_app import check_node_config
 from fedspc_app.core.checkpoint import CHECKPOINT_JSON
 from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.files import folder_lock
 from fedspc_app.core.task import from_record
 from strategies.fedspc import GLOBAL_REFERENCE
 from strategies.personalized import ARRAYS, METRICS
@@ -315,6 +316,18 @@ def test_a_checkpoint_of_another_config_is_refused(tmp, change, clients, message
                         Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
                                 run_config=run_config))
     assert json.loads((tmp / "run" / CHECKPOINT_JSON).read_text())["round"] == 1  # kept
+
+
+def test_a_run_whose_folder_is_in_use_stops_before_writing(tmp):
+    run_config = {**BASE, "checkpoint": True, "output-dir": str(tmp), "run-name": "run"}
+    with folder_lock(tmp / "run", "run 'run' (elsewhere)"), \
+            pytest.raises(SystemExit, match=r"run is in use by run 'run' \(elsewhere\)"):
+        server_app.main(InProcessGrid(client_app.app, K, run_config),
+                        Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                run_config=run_config))
+    assert not (tmp / "run").exists()
+    _, rounds, error = run(tmp, checkpoint=True, num_rounds=1)  # free again: it runs
+    assert error is None and len(rounds) == 1
 
 
 @pytest.mark.parametrize("node_config,message", [

@@ -1,12 +1,16 @@
-"""Atomic writes (fedspc_app.core.files)."""
+"""Atomic writes and folder locks (fedspc_app.core.files)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from fedspc_app.core.files import atomic_write
+from fedspc_app.core.errors import BusyError
+from fedspc_app.core.files import atomic_write, folder_lock, lock_holder, lock_path
 
 
 @pytest.mark.parametrize("mask", [0o022, 0o077])
@@ -26,3 +30,43 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
         atomic_write(tmp_path / "a.txt", 3)  # not bytes or text
     assert (tmp_path / "a.txt").read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]
+
+
+# ------------------------------------------------------------------ folder locks
+def test_a_locked_folder_refuses_a_second_holder_and_names_the_first(tmp_path):
+    folder = tmp_path / "runs" / "a"
+    assert lock_holder(folder) is None  # never locked
+    with folder_lock(folder, "run 'a'"):
+        assert not folder.exists()  # the lock lives beside the folder, which it leaves alone
+        assert lock_path(folder) == tmp_path / "runs" / ".fedspc-a.lock"
+        holder = lock_holder(folder)
+        assert holder["what"] == "run 'a'" and holder["pid"] == os.getpid()
+        with pytest.raises(BusyError, match=rf"runs/a is in use by run 'a' \(pid {os.getpid()} "), \
+                folder_lock(folder, "run 'a' again", pause=0.01):
+            pass  # pragma: no cover - not reached
+        with folder_lock(tmp_path / "runs" / "b", "run 'b'"):  # another folder is free
+            pass
+    assert lock_holder(folder) is None
+    with folder_lock(folder, "run 'a', later"):  # released: the next run takes it
+        assert lock_holder(folder)["what"] == "run 'a', later"
+
+
+def test_a_killed_holder_leaves_its_folder_free(tmp_path):
+    folder = tmp_path / "a"
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         ("import sys, time\n"
+          "from fedspc_app.core.files import folder_lock\n"
+          f"with folder_lock({str(folder)!r}, 'a child'):\n"
+          "    print('held', flush=True)\n"
+          "    time.sleep(60)\n")],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert lock_holder(folder)["pid"] == holder.pid
+    finally:
+        holder.kill()  # SIGKILL: no clean-up code runs
+        holder.wait()
+    assert lock_holder(folder) is None
+    with folder_lock(folder, "after the kill"):
+        pass

@@ -15,3 +15,7 @@ class DataError(FedSPCError, RuntimeError):
 
 class DivergenceError(FedSPCError, FloatingPointError):
     """Local training produced a non-finite loss or parameter."""
+
+
+class BusyError(FedSPCError, RuntimeError):
+    """A results folder is in use by another process (a run or a grid)."""

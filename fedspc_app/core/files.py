@@ -1,13 +1,21 @@
-"""Atomic file writes: readers see the old file or the new one, never half of one."""
+"""Atomic file writes (readers see the old file or the new one, never half of one)
+and folder locks (one process at a time writes a run's or a grid's folder)."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import os
+import socket
 import tempfile
+import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
+
+from fedspc_app.core.errors import BusyError
 
 
 @contextlib.contextmanager
@@ -51,3 +59,85 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
     """Write ``data`` (text is UTF-8 encoded) to ``path`` atomically."""
     with atomic_open(path) as handle:
         handle.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def lock_path(folder: str | os.PathLike[str]) -> Path:
+    """The lock file of ``folder``: beside it, hidden, so that the folder holds only
+    results (it stays after the lock is released)."""
+    folder = Path(folder)
+    return folder.parent / f".fedspc-{folder.name}.lock"
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str | os.PathLike[str], what: str, *, attempts: int = 3,
+                pause: float = 0.2) -> Iterator[None]:
+    """Hold ``folder``'s lock while the block runs (``what`` says who holds it, for
+    the error another process gets). The folder itself is not created.
+
+    The lock is the kernel's (``flock``) on a file in the folder, so it is released
+    however the holder ends, a crash or SIGKILL included: a stopped run never
+    leaves its folder locked. Works between processes on one machine (and on
+    filesystems that support ``flock``).
+
+    Raises
+    ------
+    BusyError
+        If another process holds the lock (tried ``attempts`` times, ``pause``
+        seconds apart, so that a brief probe by :func:`lock_holder` is not mistaken
+        for a holder).
+    """
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_path(folder), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        for attempt in range(attempts):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if attempt == attempts - 1:
+                    raise BusyError(
+                        f"{folder} is in use by {holder_text(_read_holder(fd))}; wait "
+                        "for it to end or stop it (two processes writing one folder "
+                        "would mix their results)") from None
+                time.sleep(pause)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({
+            "what": what, "pid": os.getpid(), "host": socket.gethostname(),
+            "since": datetime.now(UTC).isoformat(timespec="seconds")}).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def lock_holder(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """Who holds ``folder``'s lock now (``what``, ``pid``, ``host``, ``since``), or
+    None when nobody does. Probes with a shared lock, released at once."""
+    try:
+        fd = os.open(lock_path(folder), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _read_holder(fd)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _read_holder(fd: int) -> dict[str, Any]:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        holder = {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def holder_text(holder: dict[str, Any]) -> str:
+    """A lock holder (from :func:`lock_holder`) in words."""
+    if not holder.get("pid"):
+        return "another process"
+    return (f"{holder.get('what') or 'another process'} (pid {holder['pid']} on "
+            f"{holder.get('host', '?')}, since {holder.get('since', '?')})")

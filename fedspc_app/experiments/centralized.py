@@ -21,6 +21,7 @@ import numpy as np
 
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError, FedSPCError
+from fedspc_app.core.files import folder_lock
 from fedspc_app.core.results import format_duration, start_results, write_metrics, write_summary
 from fedspc_app.launch.runconfig import app_defaults
 
@@ -74,6 +75,13 @@ def train_centralized(config: RunConfig, *, epochs: int = 200, learning_rate: fl
         raise ConfigError(f"epochs and eval-every must be >= 1 and the learning rate > 0, "
                           f"got {epochs}, {eval_every}, {learning_rate}")
     epoch_learning_rate(learning_rate, 1, epochs, lr_schedule)  # checks the name
+    with folder_lock(config.run_dir, f"centralized run {config.resolved_run_name!r}"):
+        return _train(config, epochs=epochs, learning_rate=learning_rate,
+                      eval_every=eval_every, lr_schedule=lr_schedule, echo=echo)
+
+
+def _train(config: RunConfig, *, epochs: int, learning_rate: float, eval_every: int,
+           lr_schedule: str, echo: Callable[[str], None]) -> dict[str, Any]:
     # torch is imported only now, so that bad options fail fast.
     from fedspc_app.core.batching import iterate_batches
     from fedspc_app.core.task import (

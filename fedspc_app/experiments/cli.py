@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fedspc_app.core.errors import ConfigError, FedSPCError
+from fedspc_app.core.files import folder_lock
 from fedspc_app.core.partition import load_partition_counts
 from fedspc_app.experiments import centralized
 from fedspc_app.experiments.grid import Grid, filter_cells, load_grid, parse_only
@@ -57,10 +58,10 @@ def run(args: argparse.Namespace) -> int:
     runner = CellRunner(grid.simulation, echo=args.echo,
                         flwr_home=Path(args.flwr_home) if args.flwr_home else None,
                         superlink_log=grid.directory / LOGS_DIR / "superlink.log")
-    with exit_on_termination(), runner:
+    with folder_lock(grid.directory, f"grid {grid.name!r}"), exit_on_termination(), runner:
         outcome = run_grid(grid, cells, runner=runner, retry_failed=args.retry_failed)
-    if not args.no_report:
-        report(str(grid.directory), None, None)
+        if not args.no_report:
+            report(str(grid.directory), None, None)
     return 0 if outcome.ok else FAILED
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from fedspc_app.core.checkpoint import CHECKPOINT_JSON, saved_progress
 from fedspc_app.core.errors import FedSPCError
-from fedspc_app.core.files import atomic_write
+from fedspc_app.core.files import atomic_write, holder_text, lock_holder
 from fedspc_app.core.results import CONFIG_JSON, SUMMARY_JSON, format_duration
 from fedspc_app.experiments.grid import Cell, Grid, SimulationSettings
 from fedspc_app.experiments.layout import (
@@ -321,6 +321,9 @@ def print_plan(grid: Grid, cells: Sequence[Cell], echo: Echo = print) -> None:
     echo(f"Simulation: {sim.clients} clients, {sim.client_cpus:g} CPU and "
          f"{sim.client_gpus:g} GPU each" + (f", timeout {format_duration(sim.timeout)}"
                                             if sim.timeout else ""))
+    holder = lock_holder(grid.directory)
+    if holder is not None:
+        echo(f"Running now: {holder_text(holder)}")
     width = max(len(cell.name) for cell in cells) if cells else 0
     for cell, status in zip(cells, statuses):
         note = progress_note(cell) if status != "done" else ""
