@@ -8,14 +8,18 @@ deployment the server machine need not hold the data (see
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import shutil
 import time
+from dataclasses import dataclass
 from logging import ERROR, INFO
+from typing import Any
 
 from flwr.app import ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
+from torch import nn
 
 from clients.durable import SIMULATION_FOLDER
 from fedspc_app.core.checkpoint import TRAINED, RoundRecords, fingerprint, resume_point
@@ -26,6 +30,7 @@ from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.partition import save_partition
 from fedspc_app.core.results import RunRecorder, TrafficGrid
 from fedspc_app.core.task import (
+    DatasetShape,
     ParameterSplit,
     load_partition,
     make_model,
@@ -74,45 +79,68 @@ def wait_for_clients(grid: Grid, expected: int, timeout: float = 600.0) -> int:
         time.sleep(1.0)
 
 
+@dataclass(frozen=True)
+class CheckedRun:
+    """What the checks before round 1 established (nothing written yet)."""
+
+    config: RunConfig
+    method: Method
+    deployment: bool
+    num_clients: int
+    shape: DatasetShape
+    sizes: dict[str, int]
+    partition: dict[str, Any]
+    model: nn.Module
+    split: ParameterSplit
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Run a federated training as the run-config describes, holding its results
-    folder's lock (one run at a time writes a folder)."""
-    try:
-        config = parse_run_config(context.run_config)
-        with folder_lock(config.run_dir, f"run {config.resolved_run_name!r}"):
-            run(grid, config)
-    except FedSPCError as error:
-        log(ERROR, "Run not started: %s", error)
-        raise SystemExit(f"fedspc: {error}") from None
+    """Run a federated training as the run-config describes: check everything, then
+    train while holding the results folder's lock (one run at a time writes it)."""
+    with contextlib.ExitStack() as held:
+        try:
+            checked = check_run(grid, context)
+            held.enter_context(folder_lock(checked.config.run_dir,
+                                           f"run {checked.config.resolved_run_name!r}"))
+        except FedSPCError as error:
+            log(ERROR, "Run not started: %s", error)
+            raise SystemExit(f"fedspc: {error}") from None
+        train(grid, checked)
 
 
-def run(grid: Grid, config: RunConfig) -> None:
-    """Check the data and partition, then train (resuming from a checkpoint)."""
+def check_run(grid: Grid, context: Context) -> CheckedRun:
+    """Parse the run-config, check the data (or the clients' data in a deployment),
+    the partition and the split; raise FedSPCError on bad input."""
+    config = parse_run_config(context.run_config)
+    method = get_method(config.method)
     deployment = is_deployment(grid)
-    try:
-        method = get_method(config.method)
-        if deployment and not config.num_clients:
-            raise ConfigError(
-                "run-config 'num-clients' must be the number of SuperNodes in a deployment "
-                "(each started with --node-config \"partition-id=i num-partitions=N\")")
-        shape, dataset = server_dataset(config, deployment)
-        num_clients = wait_for_clients(grid, config.num_clients)
-        if deployment:
-            partition = preflight(grid, config, num_clients, shape)
-            sizes = {"train": sum(map(sum, partition["train_counts"])),
-                     "test": sum(map(sum, partition["test_counts"]))}
-        else:
-            partition = load_partition(config, num_clients)
-            sizes = {"train": int(dataset.train_labels.shape[0]),
-                     "test": int(dataset.test_labels.shape[0])}
-        model = make_model(config, shape)
-        split = parameter_split(model, method, shared_keys=config.shared_keys,
-                                personal_keys=config.personal_keys)
-    except FedSPCError as error:
-        log(ERROR, "Run not started: %s", error)
-        raise SystemExit(f"fedspc: {error}") from None
+    if deployment and not config.num_clients:
+        raise ConfigError(
+            "run-config 'num-clients' must be the number of SuperNodes in a deployment "
+            "(each started with --node-config \"partition-id=i num-partitions=N\")")
+    shape, dataset = server_dataset(config, deployment)
+    num_clients = wait_for_clients(grid, config.num_clients)
+    if deployment:
+        partition = preflight(grid, config, num_clients, shape)
+        sizes = {"train": sum(map(sum, partition["train_counts"])),
+                 "test": sum(map(sum, partition["test_counts"]))}
+    else:
+        partition = load_partition(config, num_clients)
+        sizes = {"train": int(dataset.train_labels.shape[0]),
+                 "test": int(dataset.test_labels.shape[0])}
+    model = make_model(config, shape)
+    split = parameter_split(model, method, shared_keys=config.shared_keys,
+                            personal_keys=config.personal_keys)
+    return CheckedRun(config, method, deployment, num_clients, shape, sizes, partition,
+                      model, split)
 
+
+def train(grid: Grid, checked: CheckedRun) -> None:
+    """The rounds of a checked run (resuming from its checkpoint when asked)."""
+    config, method, split, num_clients = (checked.config, checked.method, checked.split,
+                                          checked.num_clients)
+    deployment, shape, sizes = checked.deployment, checked.shape, checked.sizes
     traffic = TrafficGrid(grid)
     recorder = RunRecorder(config, traffic=traffic, echo=lambda line: log(INFO, "%s", line))
     identity = fingerprint(config, num_clients)
@@ -140,7 +168,7 @@ def run(grid: Grid, config: RunConfig) -> None:
         "resumed-after-round": resumed.round if resumed else 0,
     }, rounds=resumed.rounds if resumed else None,
         elapsed=resumed.elapsed_seconds if resumed else 0.0)
-    save_partition(partition, recorder.run_dir)
+    save_partition(checked.partition, recorder.run_dir)
     log(INFO, "%s | %s on %s, %d clients, alpha=%g, %d rounds", config.label,
         config.model, config.dataset, num_clients, config.alpha, config.num_rounds)
 
@@ -148,7 +176,7 @@ def run(grid: Grid, config: RunConfig) -> None:
     if not strategy.run_token:  # a new run (a resumed one keeps its checkpoint's)
         strategy.run_token = secrets.token_hex(8)
     round_config = {"num-clients": num_clients, "deployment": deployment}
-    initial = resumed.shared if resumed else state_arrays(model, split.shared)
+    initial = resumed.shared if resumed else state_arrays(checked.model, split.shared)
     evaluate_first = resumed is not None and resumed.phase == TRAINED
     try:
         run_rounds(

@@ -75,13 +75,6 @@ def train_centralized(config: RunConfig, *, epochs: int = 200, learning_rate: fl
         raise ConfigError(f"epochs and eval-every must be >= 1 and the learning rate > 0, "
                           f"got {epochs}, {eval_every}, {learning_rate}")
     epoch_learning_rate(learning_rate, 1, epochs, lr_schedule)  # checks the name
-    with folder_lock(config.run_dir, f"centralized run {config.resolved_run_name!r}"):
-        return _train(config, epochs=epochs, learning_rate=learning_rate,
-                      eval_every=eval_every, lr_schedule=lr_schedule, echo=echo)
-
-
-def _train(config: RunConfig, *, epochs: int, learning_rate: float, eval_every: int,
-           lr_schedule: str, echo: Callable[[str], None]) -> dict[str, Any]:
     # torch is imported only now, so that bad options fail fast.
     from fedspc_app.core.batching import iterate_batches
     from fedspc_app.core.task import (
@@ -109,63 +102,65 @@ def _train(config: RunConfig, *, epochs: int, learning_rate: float, eval_every: 
                                shuffle=True, augment=augment, generator=generator,
                                device=device)
 
-    start_results(run_dir, {
-        "run-config": config.to_dict(), "mode": "centralized",
-        "centralized": {"epochs": epochs, "learning-rate": learning_rate,
-                        "eval-every": eval_every, "lr-schedule": lr_schedule},
-        "dataset": {"name": dataset.name, "train": dataset.num_train,
-                    "test": dataset.num_test, "classes": dataset.num_classes},
-        "device": str(device),
-    })
-    echo(f"[centralized] {config.model} on {dataset.name}: {dataset.num_train} training "
-         f"images, {epochs} epochs, lr {learning_rate:g} ({lr_schedule}), "
-         f"{device}; results in {run_dir}")
+    # Everything is checked: hold the folder while writing it (one run at a time).
+    with folder_lock(run_dir, f"centralized run {config.resolved_run_name!r}"):
+        start_results(run_dir, {
+            "run-config": config.to_dict(), "mode": "centralized",
+            "centralized": {"epochs": epochs, "learning-rate": learning_rate,
+                            "eval-every": eval_every, "lr-schedule": lr_schedule},
+            "dataset": {"name": dataset.name, "train": dataset.num_train,
+                        "test": dataset.num_test, "classes": dataset.num_classes},
+            "device": str(device),
+        })
+        echo(f"[centralized] {config.model} on {dataset.name}: {dataset.num_train} training "
+             f"images, {epochs} epochs, lr {learning_rate:g} ({lr_schedule}), "
+             f"{device}; results in {run_dir}")
 
-    rows: list[dict[str, Any]] = []
-    started = last = time.perf_counter()
-    for epoch in range(1, epochs + 1):
-        rate = epoch_learning_rate(learning_rate, epoch, epochs, lr_schedule)
-        result = train_epochs(model, train_batches, epochs=1, trainable=trainable,
-                              learning_rate=rate, momentum=config.momentum,
-                              weight_decay=config.weight_decay, precision=config.precision,
-                              channels_last=config.channels_last)
-        if epoch % eval_every and epoch != epochs:
-            continue
-        test_batches = iterate_batches(dataset, "test", test_indices,
-                                       batch_size=max(config.batch_size, 256), shuffle=False,
-                                       augment=False, generator=None, device=device)
-        correct, examples, loss_sum = evaluate_model(model, test_batches,
-                                                     precision=config.precision,
-                                                     channels_last=config.channels_last)
-        now = time.perf_counter()
-        row = {"epoch": epoch, "accuracy": correct / examples, "loss": loss_sum / examples,
-               "train-loss": result.mean_loss, "learning-rate": rate,
-               "train-images": result.examples, "epoch-seconds": round(now - last, 3),
-               "elapsed-seconds": round(now - started, 3)}
-        last = now
-        rows.append(row)
-        _write_metrics(config, rows)
-        eta = format_duration((now - started) / epoch * (epochs - epoch))
-        echo(f"[centralized] epoch {epoch:>{len(str(epochs))}}/{epochs} | accuracy "
-             f"{100 * row['accuracy']:6.2f}% | loss {row['loss']:.4f} | train-loss "
-             f"{row['train-loss']:.4f} | {row['epoch-seconds']:.1f} s | ETA {eta}")
-        if not math.isfinite(row["train-loss"]):
-            raise FedSPCError(f"training diverged at epoch {epoch} (train loss "
-                              f"{row['train-loss']}); use a smaller learning rate")
+        rows: list[dict[str, Any]] = []
+        started = last = time.perf_counter()
+        for epoch in range(1, epochs + 1):
+            rate = epoch_learning_rate(learning_rate, epoch, epochs, lr_schedule)
+            result = train_epochs(model, train_batches, epochs=1, trainable=trainable,
+                                  learning_rate=rate, momentum=config.momentum,
+                                  weight_decay=config.weight_decay, precision=config.precision,
+                                  channels_last=config.channels_last)
+            if epoch % eval_every and epoch != epochs:
+                continue
+            test_batches = iterate_batches(dataset, "test", test_indices,
+                                           batch_size=max(config.batch_size, 256), shuffle=False,
+                                           augment=False, generator=None, device=device)
+            correct, examples, loss_sum = evaluate_model(model, test_batches,
+                                                         precision=config.precision,
+                                                         channels_last=config.channels_last)
+            now = time.perf_counter()
+            row = {"epoch": epoch, "accuracy": correct / examples, "loss": loss_sum / examples,
+                   "train-loss": result.mean_loss, "learning-rate": rate,
+                   "train-images": result.examples, "epoch-seconds": round(now - last, 3),
+                   "elapsed-seconds": round(now - started, 3)}
+            last = now
+            rows.append(row)
+            _write_metrics(config, rows)
+            eta = format_duration((now - started) / epoch * (epochs - epoch))
+            echo(f"[centralized] epoch {epoch:>{len(str(epochs))}}/{epochs} | accuracy "
+                 f"{100 * row['accuracy']:6.2f}% | loss {row['loss']:.4f} | train-loss "
+                 f"{row['train-loss']:.4f} | {row['epoch-seconds']:.1f} s | ETA {eta}")
+            if not math.isfinite(row["train-loss"]):
+                raise FedSPCError(f"training diverged at epoch {epoch} (train loss "
+                                  f"{row['train-loss']}); use a smaller learning rate")
 
-    final = rows[-1]
-    best = max(rows, key=lambda r: r["accuracy"])
-    summary = {
-        "complete": True, "mode": "centralized", "method": "centralized",
-        "epochs": epochs, "rounds": len(rows),
-        "wall-seconds": round(time.perf_counter() - started, 3),
-        "final-epoch": final["epoch"], "final-accuracy": final["accuracy"],
-        "final-loss": final["loss"], "best-epoch": best["epoch"],
-        "best-accuracy": best["accuracy"],
-    }
-    _write_metrics(config, rows, summary)
-    write_summary(run_dir, summary)
-    echo(f"[centralized] done in {format_duration(summary['wall-seconds'])}: final accuracy "
-         f"{100 * final['accuracy']:.2f}% (epoch {final['epoch']}), best "
-         f"{100 * best['accuracy']:.2f}% (epoch {best['epoch']}); results in {run_dir}")
-    return summary
+        final = rows[-1]
+        best = max(rows, key=lambda r: r["accuracy"])
+        summary = {
+            "complete": True, "mode": "centralized", "method": "centralized",
+            "epochs": epochs, "rounds": len(rows),
+            "wall-seconds": round(time.perf_counter() - started, 3),
+            "final-epoch": final["epoch"], "final-accuracy": final["accuracy"],
+            "final-loss": final["loss"], "best-epoch": best["epoch"],
+            "best-accuracy": best["accuracy"],
+        }
+        _write_metrics(config, rows, summary)
+        write_summary(run_dir, summary)
+        echo(f"[centralized] done in {format_duration(summary['wall-seconds'])}: final accuracy "
+             f"{100 * final['accuracy']:.2f}% (epoch {final['epoch']}), best "
+             f"{100 * best['accuracy']:.2f}% (epoch {best['epoch']}); results in {run_dir}")
+        return summary
