@@ -7,6 +7,9 @@ the function that runs one cell, so nothing trains.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -410,6 +413,20 @@ def test_a_grid_being_run_is_not_run_twice(tmp_path, monkeypatch, capsys):
     assert calls == [] and not (out / "tiny").exists()
     assert cli.main(["list", str(path), "--output-dir", str(out)]) == 0
     assert "Running now" not in capsys.readouterr().out
+
+
+def test_output_piped_into_a_closed_reader_ends_quietly():
+    """`list | head`: the reader is gone before the plan is written."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "fedspc_app.experiments", "list",
+             str(REPO / "conf" / "experiments" / "table3.yaml")],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (0, "")
 
 
 # ---------------------------------------------------------------------- end to end

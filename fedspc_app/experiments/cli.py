@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -237,5 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
+    except BrokenPipeError:  # the reader went away (`list | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (FedSPCError, OSError) as error:
         return fail(error, BAD_INPUT)
