@@ -89,6 +89,13 @@ def uses_control_variates(method: Method, config: RunConfig) -> bool:
     return method.control_variates or config.fedspc
 
 
+def keeps_client_state(method: Method, config: RunConfig, split: ParameterSplit) -> bool:
+    """Whether a client has state to keep between rounds: personalized parameters,
+    a personal model, or a local reference u_k."""
+    return bool(split.personal or method.personal_model
+                or uses_control_variates(method, config))
+
+
 def _tensors(arrays: Mapping[str, np.ndarray], keys, device) -> dict[str, torch.Tensor]:
     return {key: torch.as_tensor(arrays[key]).to(device) for key in keys}
 

@@ -14,7 +14,7 @@ from flwr.supercore import log
 
 from clients import evaluate_client, train_client
 from clients.durable import DurableState
-from clients.local import uses_control_variates
+from clients.local import keeps_client_state
 from clients.state import (
     PENDING,
     ClientLedger,
@@ -161,8 +161,7 @@ class ClientSetup:
     @property
     def keeps_state(self) -> bool:
         """Whether this method has client state worth keeping between rounds."""
-        return bool(self.split.personal or self.method.personal_model
-                    or uses_control_variates(self.method, self.config))
+        return keeps_client_state(self.method, self.config, self.split)
 
     def load_state(self, message: Message, context: Context) -> tuple[ClientLedger,
                                                                       ClientState]:

@@ -22,13 +22,14 @@ from flwr.supercore import log
 from torch import nn
 
 from clients.durable import SIMULATION_FOLDER
+from clients.local import keeps_client_state
 from fedspc_app.core.checkpoint import TRAINED, RoundRecords, fingerprint, resume_point
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError, FedSPCError
 from fedspc_app.core.files import folder_lock
 from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.partition import save_partition
-from fedspc_app.core.results import RunRecorder, TrafficGrid
+from fedspc_app.core.results import RunRecorder, TrafficGrid, read_summary
 from fedspc_app.core.task import (
     DatasetShape,
     ParameterSplit,
@@ -40,6 +41,7 @@ from fedspc_app.core.task import (
 )
 from fedspc_app.deployment import is_deployment, preflight, server_dataset
 from strategies import FedSPC, PersonalizedFedAvg, run_rounds
+from strategies.personalized import ACCEPTED_ROUNDS
 
 app = ServerApp()
 
@@ -152,6 +154,7 @@ def train(grid: Grid, checked: CheckedRun) -> None:
                                      global_reference=resumed.global_reference)
             if set(resumed.shared) != set(split.shared):
                 raise ConfigError("the checkpoint's shared block does not match this model")
+            check_saved_client_state(checked, resumed.strategy)
     except (FedSPCError, ValueError) as error:
         log(ERROR, "Run not started: %s", error)
         raise SystemExit(f"fedspc: {error}") from None
@@ -201,6 +204,37 @@ def train(grid: Grid, checked: CheckedRun) -> None:
         recorder.finish()
         log(ERROR, "Run stopped: %s", error)
         raise SystemExit(f"fedspc: {error}") from None
-    recorder.finish()
-    if not deployment:  # the clients' files are only needed to resume this run
+    # The clients' files are only needed to continue this run: kept in a deployment
+    # (each SuperNode's state-dir), in a simulation only when asked.
+    remove = (not deployment and not config.keep_client_state
+              and keeps_client_state(method, config, split))
+    recorder.finish(can_extend=config.checkpoint and not remove)
+    if remove:
         shutil.rmtree(recorder.run_dir / SIMULATION_FOLDER, ignore_errors=True)
+
+
+def check_saved_client_state(checked: CheckedRun, strategy_state: dict) -> None:
+    """A simulated run continues only where its clients' saved state still is.
+
+    A client whose reply was aggregated has personalized parameters or u_k on disk
+    (``<run folder>/client-state/``); without them the run would go on from the
+    initial ones, another experiment. In a deployment the SuperNodes check theirs.
+    """
+    config = checked.config
+    folder = config.run_dir / SIMULATION_FOLDER
+    if (checked.deployment or folder.is_dir()
+            or not keeps_client_state(checked.method, config, checked.split)
+            or not any(int(r) for r in strategy_state.get(ACCEPTED_ROUNDS, []))):
+        return
+    summary = read_summary(config.run_dir) or {}
+    if summary.get("complete"):
+        raise ConfigError(
+            f"{config.run_dir} holds a finished run of {summary.get('rounds')} rounds whose "
+            "clients' state (personalized parameters, u_k) was removed when it completed, "
+            "so it cannot be extended to more rounds. Runs started with "
+            "keep-client-state = true keep it; start this one again (without resume) to "
+            "run all the rounds")
+    raise ConfigError(
+        f"the clients' saved state {folder} is missing, so the run in {config.run_dir} "
+        "cannot continue: its personalized parameters and u_k are gone. Start it "
+        "again without resume, or under another run-name")

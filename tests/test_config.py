@@ -417,6 +417,7 @@ def test_schedule_and_failure_policy_keys_are_range_checked(key, value, message)
     assert message in str(info.value)
 
 
-def test_resume_needs_checkpoints():
-    with pytest.raises(ConfigError, match="'resume = true' needs 'checkpoint = true'"):
-        parse_run_config({"resume": True, "checkpoint": False})
+@pytest.mark.parametrize("key", ["resume", "keep-client-state"])
+def test_resume_and_kept_client_state_need_checkpoints(key):
+    with pytest.raises(ConfigError, match=f"'{key} = true' needs 'checkpoint = true'"):
+        parse_run_config({key: True, "checkpoint": False})

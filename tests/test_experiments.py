@@ -254,7 +254,7 @@ def test_shipped_grids_expand_to_the_papers_tables():
     assert [c.name for c in long.cells] == [c.name for c in mismatch.cells] + [
         "ditto", "ditto+fedspc"]
     for a, b in zip(long.cells, mismatch.cells):
-        assert a.run_config == {**b.run_config, "num-rounds": 50,
+        assert a.run_config == {**b.run_config, "num-rounds": 50, "keep-client-state": True,
                                 "output-dir": "/tmp/unused/cpu-cifar100-cnn-long"}
 
 
@@ -343,6 +343,43 @@ def test_the_plan_and_the_progress_say_how_far_an_interrupted_cell_got(tmp_path)
     lines = []
     run_grid(grid, grid.cells[:1], runner=FakeRunner(), echo=lines.append)
     assert lines[1].endswith(note) and lines[1].startswith(f"[1/1] {stopped.name}: ")
+
+
+def finished_with(cell: Cell, *, rounds: int, can_extend: bool, **changes) -> None:
+    """A run of ``cell`` that finished ``rounds`` rounds with ``changes`` to its
+    run-config, keeping its checkpoint."""
+    finish(cell)
+    run_config = {**cell.run_config, "num-rounds": rounds, **changes}
+    (cell.run_dir / "config.json").write_text(json.dumps({"run-config": run_config}))
+    summary = json.loads((cell.run_dir / "summary.json").read_text())
+    summary.update({"rounds": rounds, "can-extend": can_extend})
+    (cell.run_dir / "summary.json").write_text(json.dumps(summary))
+    (cell.run_dir / "checkpoint.json").write_text(
+        json.dumps({"round": rounds, "elapsed-seconds": 61.0}))
+
+
+def test_a_finished_cell_is_extended_when_only_its_rounds_grew_and_it_can_be(tmp_path):
+    grid = small_grid(tmp_path)  # 10 rounds
+    grows, lost, other, shrinks = grid.cells
+    finished_with(grows, rounds=5, can_extend=True)
+    finished_with(lost, rounds=5, can_extend=False)
+    finished_with(other, rounds=5, can_extend=True, **{"learning-rate": 0.1})
+    finished_with(shrinks, rounds=20, can_extend=True)
+    lines = []
+    runner.print_plan(grid, grid.cells, echo=lines.append)
+    assert "3 done, 0 failed, 1 pending" in lines[0]
+    assert lines[2].startswith(f"  pending {grows.name} ") and lines[2].endswith(
+        " (extends the finished run after round 5 of 10, 0:01:01 run so far)")
+    fake, lines = FakeRunner(), []
+    run_grid(grid, grid.cells, runner=fake, echo=lines.append)
+    assert fake.calls == [grows.name]
+    assert (f"note: {lost.name} finished with different num-rounds; it cannot be "
+            "extended to more rounds (it ran without keep-client-state); delete its "
+            "folder to rerun it") in lines
+    assert (f"note: {other.name} finished with different learning-rate, num-rounds; "
+            "delete its folder to rerun it") in lines
+    assert (f"note: {shrinks.name} finished with different num-rounds; delete its "
+            "folder to rerun it") in lines
 
 
 def test_a_failing_cell_is_recorded_and_the_others_still_run(tmp_path):

@@ -300,6 +300,44 @@ def test_an_unfinished_run_is_never_restarted_over_but_a_finished_one_is(tmp):
     assert error is None and len(rounds) == 1
 
 
+def summary_of(tmp: Path) -> dict:
+    return json.loads((tmp / "run" / "summary.json").read_text())
+
+
+def test_a_finished_run_that_kept_its_client_state_extends_as_if_never_stopped(tmp):
+    _, expected, _ = run(tmp / "a", checkpoint=True)  # 3 rounds at once
+    _, _, error = run(tmp / "b", checkpoint=True, keep_client_state=True, num_rounds=2)
+    assert error is None and summary_of(tmp / "b")["can-extend"] is True
+    assert (tmp / "b" / "run" / "client-state").is_dir()
+    _, extended, error = run(tmp / "b", checkpoint=True, resume=True)  # 2 -> 3 rounds
+    assert error is None
+    assert summary_of(tmp / "b")["complete"] and summary_of(tmp / "b")["rounds"] == 3
+    assert accuracies(extended) == accuracies(expected)
+    assert losses(extended) == pytest.approx(losses(expected), rel=1e-4)
+    # This time keep-client-state was not asked: the state goes, and so does the option.
+    assert not (tmp / "b" / "run" / "client-state").exists()
+    assert summary_of(tmp / "b")["can-extend"] is False
+
+
+def test_a_finished_run_without_its_client_state_is_not_extended(tmp):
+    run(tmp, checkpoint=True, num_rounds=2)
+    assert summary_of(tmp)["can-extend"] is False
+    before = (tmp / "run" / "metrics.json").read_text()
+    _, _, error = run(tmp, checkpoint=True, resume=True)
+    assert error is not None and "cannot be extended" in error
+    assert "keep-client-state = true" in error
+    assert (tmp / "run" / "metrics.json").read_text() == before  # nothing written
+    assert summary_of(tmp)["complete"] and summary_of(tmp)["rounds"] == 2
+
+
+def test_a_method_without_client_state_extends_without_keeping_any(tmp):
+    _, _, error = run(tmp, method="fedavg", fedspc=False, checkpoint=True, num_rounds=1)
+    assert error is None and summary_of(tmp)["can-extend"] is True
+    _, rounds, error = run(tmp, method="fedavg", fedspc=False, checkpoint=True, resume=True,
+                           num_rounds=2)
+    assert error is None and [r["round"] for r in rounds] == [1, 2]
+
+
 @pytest.mark.parametrize("change,clients,message", [
     ({"seed": 1}, K, "seed: checkpoint 0, run-config 1"),
     ({"method": "fedper"}, K, "method: checkpoint 'fedrep', run-config 'fedper'"),

@@ -37,7 +37,7 @@ SHARED, REFERENCE = "shared/", "reference/"
 # how patient it is. Any other difference means another experiment.
 MAY_CHANGE = frozenset({
     "num-rounds", "resume", "checkpoint", "output-dir", "data-dir", "download", "device",
-    "round-timeout", "min-train-replies", "max-failed-rounds",
+    "round-timeout", "min-train-replies", "max-failed-rounds", "keep-client-state",
 })
 
 ArrayDict = dict[str, np.ndarray]

@@ -107,6 +107,7 @@ class RunConfig:
     # Faults: checkpoints, resuming, the round failure policy
     checkpoint: bool = True
     resume: bool = False
+    keep_client_state: bool = False
     min_train_replies: float = 0.5
     max_failed_rounds: int = 3
     round_timeout: float = 3600.0
@@ -244,6 +245,8 @@ def validate(config: RunConfig) -> RunConfig:
                           f"got {config.min_train_replies!r}")
     if config.resume and not config.checkpoint:
         raise ConfigError("run-config 'resume = true' needs 'checkpoint = true'")
+    if config.keep_client_state and not config.checkpoint:
+        raise ConfigError("run-config 'keep-client-state = true' needs 'checkpoint = true'")
     for key, fraction in (("fraction-train", config.fraction_train),
                           ("evaluate-fraction", config.evaluate_fraction)):
         if not 0.0 < fraction <= 1.0 or not math.isfinite(fraction):

@@ -293,8 +293,10 @@ class RunRecorder:
                 f"{row['bytes-received'] / 1e6:.1f} MB"
                 f" | {row['round-seconds']:.1f} s | ETA {eta}")
 
-    def finish(self) -> dict[str, Any]:
-        """Write the summary (final and best round) and print it."""
+    def finish(self, *, can_extend: bool | None = None) -> dict[str, Any]:
+        """Write the summary (final and best round) and print it. ``can_extend``
+        (a complete run): whether its checkpoint and clients' state are kept, so
+        that resuming it with a larger num-rounds continues it."""
         evaluated = [r for r in self.rounds if r.get("accuracy") is not None]
         summary: dict[str, Any] = {
             "complete": len(self.rounds) >= self.config.num_rounds,
@@ -302,6 +304,8 @@ class RunRecorder:
             "wall-seconds": round(time.perf_counter() - self.started, 3),
             "method": self.config.label,
         }
+        if can_extend is not None:
+            summary["can-extend"] = can_extend
         if evaluated:
             final = evaluated[-1]
             best = max(evaluated, key=lambda r: r["accuracy"])

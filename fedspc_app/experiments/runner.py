@@ -42,13 +42,27 @@ CELL_ERRORS = (SimulationFailed, FedSPCError, TimeoutError)
 
 # Settings that may change without invalidating a finished run.
 _IRRELEVANT = {"data-dir", "output-dir", "download", "device", "checkpoint", "resume",
-               "round-timeout"}
+               "round-timeout", "keep-client-state"}
 
 
 # ------------------------------------------------------------------------ status
 def is_done(cell: Cell) -> bool:
+    """Finished, and not a run the grid now asks to extend (:func:`extension`)."""
     summary = read_json(cell.run_dir / SUMMARY_JSON)
-    return isinstance(summary, dict) and summary.get("complete") is True
+    return (isinstance(summary, dict) and summary.get("complete") is True
+            and extension(cell) is None)
+
+
+def extension(cell: Cell) -> int | None:
+    """The rounds of a finished run that the grid extends: only its num-rounds grew,
+    and it kept its checkpoint and clients' state (summary ``can-extend``)."""
+    summary = read_json(cell.run_dir / SUMMARY_JSON)
+    if (isinstance(summary, dict) and summary.get("complete") is True
+            and summary.get("can-extend") is True
+            and (cell.run_dir / CHECKPOINT_JSON).is_file()
+            and _grew(cell, config_changes(cell))):
+        return int(summary["rounds"])
+    return None
 
 
 def config_changes(cell: Cell) -> list[str]:
@@ -59,6 +73,14 @@ def config_changes(cell: Cell) -> list[str]:
     old = recorded["run-config"]
     return sorted(key for key, value in cell.run_config.items()
                   if key not in _IRRELEVANT and key in old and old[key] != value)
+
+
+def _grew(cell: Cell, changed: Sequence[str]) -> bool:
+    """Whether only num-rounds changed, to more rounds than the run has."""
+    summary = read_json(cell.run_dir / SUMMARY_JSON)
+    rounds = summary.get("rounds") if isinstance(summary, dict) else None
+    return (list(changed) == ["num-rounds"] and isinstance(rounds, int)
+            and rounds < cell.run_config["num-rounds"])
 
 
 def cell_status(cell: Cell, failures: Mapping[str, Any]) -> str:
@@ -74,7 +96,8 @@ def progress_note(cell: Cell) -> str:
     if saved is None:
         return ""
     rounds, seconds = saved
-    return (f" (resumes after round {rounds} of {cell.run_config['num-rounds']}, "
+    verb = "extends the finished run" if extension(cell) is not None else "resumes"
+    return (f" ({verb} after round {rounds} of {cell.run_config['num-rounds']}, "
             f"{format_duration(seconds)} run so far)")
 
 
@@ -238,7 +261,9 @@ def _todo(grid: Grid, cells: Sequence[Cell], failures: Mapping[str, Any], outcom
             changed = config_changes(cell)
             if changed:
                 echo(f"note: {cell.name} finished with different {', '.join(changed)}; "
-                     "delete its folder to rerun it")
+                     + ("it cannot be extended to more rounds (it ran without "
+                        "keep-client-state); " if _grew(cell, changed) else "")
+                     + "delete its folder to rerun it")
         elif status == "failed" and not retry_failed:
             outcome.failed[cell.name] = str(log_path(grid, cell))
         else:
