@@ -15,15 +15,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Array, Context, Message, MessageType, RecordDict
+from flwr.app import Array, Context, Message, MessageType, MetricRecord, RecordDict
 from inprocess import InProcessGrid
 
 from clients.state import COMMITTED, PENDING, ClientState
 from fedspc_app import client_app, server_app
 from fedspc_app.client_app import check_node_config
 from fedspc_app.core.checkpoint import CHECKPOINT_JSON
+from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.files import folder_lock
+from fedspc_app.core.results import RunRecorder
 from fedspc_app.core.task import from_record
 from strategies.fedspc import GLOBAL_REFERENCE
 from strategies.personalized import ARRAYS, METRICS
@@ -279,6 +281,18 @@ def test_a_crashed_run_resumes_to_the_same_metrics(tmp, crash_at):
     assert accuracies(resumed) == accuracies(expected)
     assert losses(resumed) == pytest.approx(losses(expected), rel=1e-4)
     assert not (tmp / "b" / "run" / "client-state").exists()  # removed once complete
+
+
+def test_a_round_resumed_after_its_aggregation_counts_its_earlier_training_time(tmp):
+    # The checkpoint after round 2's aggregation: round 1 ended at 10 s, the
+    # aggregation at 14 s; the 4 s of training belong to round 2.
+    config = parse_run_config({**BASE, "output-dir": str(tmp), "run-name": "run"})
+    recorder = RunRecorder(config, echo=lambda _: None)
+    recorder.start(rounds=[{"round": 1, "elapsed-seconds": 10.0}], elapsed=14.0)
+    recorder.on_round_end(2, MetricRecord({"examples-seen": 400, "train-loss": 1.0}), None)
+    row = recorder.rounds[-1]
+    assert 4.0 <= row["round-seconds"] < 5.0
+    assert 80.0 < row["images-per-second"] <= 100.0
 
 
 def test_an_unfinished_run_is_never_restarted_over_but_a_finished_one_is(tmp):

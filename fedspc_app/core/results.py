@@ -202,8 +202,12 @@ class RunRecorder:
         """
         start_results(self.run_dir, {"run-config": self.config.to_dict(), **(extra or {})})
         self.rounds = [dict(row) for row in rounds or []]
-        self.started = time.perf_counter() - elapsed
-        self.last = time.perf_counter()
+        now = time.perf_counter()
+        self.started = now - elapsed
+        # A checkpoint written after a round's aggregation holds time that round
+        # already spent training: it counts towards the round (and its images/s).
+        last_end = float(self.rounds[-1]["elapsed-seconds"]) if self.rounds else 0.0
+        self.last = min(now, self.started + last_end)
         if self.rounds:
             self._write_metrics()
             self.echo(f"Results: {self.run_dir} (resumed after round "
