@@ -312,6 +312,27 @@ def test_flwr_run_returns_the_exit_code_logs_output_and_removes_its_config(tmp_p
     assert not Path(_line(log, "config")[0]).exists()
 
 
+def test_a_failed_run_names_the_server_apps_reason_from_this_runs_log(tmp_path):
+    log = tmp_path / "cell.log"
+    error = "\x1b[91mERROR \x1b[0m:     Run {}: {}\n"
+    log.write_text(error.format("stopped", "an earlier attempt's reason"))
+    run_config = {"run-name": "r", "output-dir": str(tmp_path / "out")}
+
+    def refused(_merged):
+        with open(log, "a") as handle:
+            handle.write("INFO: starting\n" + error.format(
+                "not started", "the checkpoint belongs to another run"))
+        return 0
+
+    with pytest.raises(superlink.SimulationFailed, match=(
+            r"^run 'r' not started: the checkpoint belongs to another run; see .*cell\.log$")):
+        superlink.submit_and_check(run_config, refused, log_file=log)
+    # Nothing from this attempt in the log: the exit code is all there is to say.
+    with pytest.raises(superlink.SimulationFailed,
+                       match=r"^run 'r' did not complete \(flwr exit code 0\); see "):
+        superlink.submit_and_check(run_config, lambda _merged: 0, log_file=log)
+
+
 def test_flwr_run_timeout_kills_everything_it_started(tmp_path, standin):
     log = tmp_path / "run.log"
     with pytest.raises(TimeoutError, match="exceeded 2 s"):

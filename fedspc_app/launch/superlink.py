@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import tempfile
 import time
@@ -141,22 +142,43 @@ class SimulationFailed(RuntimeError):
     """A submitted run ended without writing a complete summary."""
 
 
+# The ServerApp's one-line reason for refusing or stopping a run (server_app.py).
+SERVER_ERROR = re.compile(r"Run (not started|stopped): (.+)")
+
+
+def server_error(log_file: Path | None, offset: int = 0) -> str | None:
+    """The last reason the ServerApp logged after byte ``offset`` of ``log_file``."""
+    if log_file is None:
+        return None
+    try:
+        with open(log_file, "rb") as handle:
+            handle.seek(offset)
+            text = handle.read().decode(errors="replace")
+    except OSError:
+        return None
+    found = SERVER_ERROR.findall(text)
+    return f"{found[-1][0]}: {found[-1][1].strip()}" if found else None
+
+
 def submit_and_check(run_config: Mapping[str, Any], submit: Callable[[dict], int], *,
                      app_dir: Path = APP_DIR, log_file: Path | None = None) -> dict[str, Any]:
     """Validate ``run_config``, hand the merged config to ``submit``, return the summary.
 
     ``submit(merged) -> exit code`` runs it (``flwr run`` on some connection) and
     waits. ``flwr run`` exits 0 even when the ServerApp fails, so success is a
-    complete ``summary.json`` written by this run.
+    complete ``summary.json`` written by this run; a failure names the ServerApp's
+    reason when ``log_file`` holds it.
     """
     merged, config = resolve_run_config(run_config, app_dir)
     summary_path = config.run_dir / "summary.json"
+    offset = log_file.stat().st_size if log_file is not None and log_file.exists() else 0
     started = time.time()
     code = submit(merged)
     if code != 0 or not summary_path.exists() or summary_path.stat().st_mtime < started:
         where = f"; see {log_file}" if log_file else ""
-        raise SimulationFailed(f"run {config.resolved_run_name!r} did not complete "
-                               f"(flwr exit code {code}){where}")
+        reason = server_error(log_file, offset)
+        raise SimulationFailed(f"run {config.resolved_run_name!r} " + (
+            reason if reason else f"did not complete (flwr exit code {code})") + where)
     summary = json.loads(summary_path.read_text())
     if not summary.get("complete"):
         raise SimulationFailed(f"run {config.resolved_run_name!r} stopped early: {summary}")
