@@ -50,17 +50,20 @@ def is_done(cell: Cell) -> bool:
     """Finished, and not a run the grid now asks to extend (:func:`extension`)."""
     summary = read_json(cell.run_dir / SUMMARY_JSON)
     return (isinstance(summary, dict) and summary.get("complete") is True
-            and extension(cell) is None)
+            and _extends(cell, summary) is None)
 
 
 def extension(cell: Cell) -> int | None:
     """The rounds of a finished run that the grid extends: only its num-rounds grew,
     and it kept its checkpoint and clients' state (summary ``can-extend``)."""
-    summary = read_json(cell.run_dir / SUMMARY_JSON)
+    return _extends(cell, read_json(cell.run_dir / SUMMARY_JSON))
+
+
+def _extends(cell: Cell, summary: Any) -> int | None:
     if (isinstance(summary, dict) and summary.get("complete") is True
             and summary.get("can-extend") is True
             and (cell.run_dir / CHECKPOINT_JSON).is_file()
-            and _grew(cell, config_changes(cell))):
+            and _grew(cell, config_changes(cell), summary)):
         return int(summary["rounds"])
     return None
 
@@ -75,9 +78,8 @@ def config_changes(cell: Cell) -> list[str]:
                   if key not in _IRRELEVANT and key in old and old[key] != value)
 
 
-def _grew(cell: Cell, changed: Sequence[str]) -> bool:
-    """Whether only num-rounds changed, to more rounds than the run has."""
-    summary = read_json(cell.run_dir / SUMMARY_JSON)
+def _grew(cell: Cell, changed: Sequence[str], summary: Any) -> bool:
+    """Whether only num-rounds changed, to more rounds than the run (``summary``) has."""
     rounds = summary.get("rounds") if isinstance(summary, dict) else None
     return (list(changed) == ["num-rounds"] and isinstance(rounds, int)
             and rounds < cell.run_config["num-rounds"])
@@ -260,9 +262,10 @@ def _todo(grid: Grid, cells: Sequence[Cell], failures: Mapping[str, Any], outcom
             outcome.skipped.append(cell.name)
             changed = config_changes(cell)
             if changed:
+                grew = _grew(cell, changed, read_json(cell.run_dir / SUMMARY_JSON))
                 echo(f"note: {cell.name} finished with different {', '.join(changed)}; "
                      + ("it cannot be extended to more rounds (it ran without "
-                        "keep-client-state); " if _grew(cell, changed) else "")
+                        "keep-client-state); " if grew else "")
                      + "delete its folder to rerun it")
         elif status == "failed" and not retry_failed:
             outcome.failed[cell.name] = str(log_path(grid, cell))
