@@ -1,12 +1,36 @@
-"""Test configuration: the helpers in tests/ are importable as plain modules."""
+"""Test configuration.
+
+The helpers in tests/ are importable as plain modules. Torch computes on one thread
+in the test process: the models here are small, and two threads on a 2-core machine
+that is busy (another test worker, the Ray workers of an end-to-end run, a grid)
+make every step several times slower. Under pytest-xdist (``pytest -n 2``) the runs
+through ``flwr run`` and the deployments share one group, so one worker runs them
+one after another while the others take the in-process tests.
+"""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import pytest  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+import pytest
+import torch
+from flwr.supercore.task_identity import TaskIdentity
+
+# The marks of the tests that start a SuperLink, Ray or SuperNodes.
+PROCESS_MARKS = ("e2e", "slow", "deploy")
+
+
+def pytest_configure(config):
+    torch.set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Put the tests that start Flower's processes in one xdist group (``--dist loadgroup``)."""
+    for item in items:
+        if any(item.get_closest_marker(mark) for mark in PROCESS_MARKS):
+            item.add_marker(pytest.mark.xdist_group("flower-processes"))
 
 
 @pytest.fixture
