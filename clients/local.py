@@ -22,8 +22,8 @@ from torch.nn import functional as F
 
 from clients.state import ClientState
 from fedspc_app.core.config import RunConfig
-from fedspc_app.core.errors import DivergenceError
 from fedspc_app.core.correction import add, reference_change, shared_update, zeros_like
+from fedspc_app.core.errors import DivergenceError
 from fedspc_app.core.methods import Method
 from fedspc_app.core.protocol import LOCAL_CORRECT, LOCAL_EXAMPLES, SHARED_STEPS
 from fedspc_app.core.task import (
@@ -229,7 +229,7 @@ def train_client(
         round=server_round,
     )
     metrics = {
-        "num-examples": int(len(data.train_indices)),
+        "num-examples": len(data.train_indices),
         "train-loss": float(last_loss),
         SHARED_STEPS: int(shared_steps),
         "examples-seen": int(examples_seen),

@@ -115,7 +115,7 @@ def create_certificates(out_dir: str | os.PathLike[str], hosts: Sequence[str] = 
     if days < 1:
         raise ValueError(f"days must be >= 1, got {days}")
     out = Path(out_dir)
-    now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)  # clock skew
+    now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)  # clock skew
     until = now + dt.timedelta(days=days)
 
     ca_key = ec.generate_private_key(CURVE())

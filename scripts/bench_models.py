@@ -22,7 +22,7 @@ from torch import nn
 # Run as a plain script from a checkout, without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedspc_app.core.models import MODEL_NAMES, build_model  # noqa: E402
+from fedspc_app.core.models import MODEL_NAMES, build_model
 
 
 def _sync(device: torch.device) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from fedspc_app.launch.processes import owned_processes, stop_tree  # noqa: E402
+from fedspc_app.launch.processes import owned_processes, stop_tree
 
 GIB = 1024 ** 3
 

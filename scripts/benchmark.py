@@ -34,9 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fedspc_app.core.errors import FedSPCError  # noqa: E402
-from fedspc_app.launch import cli  # noqa: E402
-from fedspc_app.launch.runconfig import resolve_run_config  # noqa: E402
+from fedspc_app.core.errors import FedSPCError
+from fedspc_app.launch import cli
+from fedspc_app.launch.runconfig import resolve_run_config
 
 COMPARED = ("accuracy", "loss", "train-loss", "train-images")
 

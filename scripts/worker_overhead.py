@@ -32,9 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fedspc_app.core.errors import FedSPCError  # noqa: E402
-from fedspc_app.launch import cli  # noqa: E402
-from fedspc_app.launch.runconfig import resolve_run_config  # noqa: E402
+from fedspc_app.core.errors import FedSPCError
+from fedspc_app.launch import cli
+from fedspc_app.launch.runconfig import resolve_run_config
 
 MODES = ("process", "ray")
 

@@ -55,7 +55,7 @@ class OneSample:
 
     x: float
     y: float
-    device: torch.device = torch.device("cpu")
+    device: torch.device = torch.device("cpu")  # noqa: RUF009 - immutable
 
     @property
     def train_indices(self) -> np.ndarray:

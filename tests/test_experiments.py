@@ -310,10 +310,10 @@ def test_runner_skips_finished_cells_and_reports_progress(tmp_path):
     assert lines[0].startswith("Grid g: 4 cells in") and "1 done, 3 to run" in lines[0]
     # ETA = mean time of the cells run so far x cells left to run.
     assert lines[1:3] == [
-        "[2/4] fedper-a0.1: digits/cnn fedper alpha=0.1 seed=0 | 10 rounds, E=5, lr 0.02,"
-        " batch 64",
-        "[2/4] fedper-a0.1 done in 0:01:00, final accuracy 25.00% | elapsed 0:01:00"
-        " | ETA 0:02:00"]
+        ("[2/4] fedper-a0.1: digits/cnn fedper alpha=0.1 seed=0 | 10 rounds, E=5, lr 0.02,"
+         " batch 64"),
+        ("[2/4] fedper-a0.1 done in 0:01:00, final accuracy 25.00% | elapsed 0:01:00"
+         " | ETA 0:02:00")]
     assert lines[-2] == ("[4/4] fedper+fedspc-a1 done in 0:01:00, final accuracy 25.00%"
                          " | elapsed 0:03:00 | ETA 0:00:00")
     assert lines[-1] == "Grid g: all 4 selected cells done."

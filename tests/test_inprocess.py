@@ -7,9 +7,11 @@ that the client state persists between rounds. See tests/inprocess.py.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import math
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -27,11 +29,13 @@ from fedspc_app.core.task import from_record, make_model, parameter_split
 from fedspc_app.serial import run_serial
 
 NUM_CLIENTS = 3
+# The cached runs below outlive any one test, so their folder is removed at exit.
 OUTPUT = Path(tempfile.mkdtemp(prefix="fedspc-inprocess-"))
+atexit.register(shutil.rmtree, OUTPUT, ignore_errors=True)
 FORBIDDEN_RECORDS = {"personal", "local-reference", "personal-model", "client-info"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def run_app(method: str, fedspc: bool, clients: int = NUM_CLIENTS,
             **overrides) -> tuple[InProcessGrid, dict]:
     """Run two rounds of ``method`` on digits; cached per argument set."""
@@ -183,8 +187,8 @@ def assert_same_arrays(a: dict, b: dict) -> None:
     (the ``max_difference`` checks below), ten times this tolerance or more.
     """
     assert a.keys() == b.keys()
-    for key in a:
-        np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=5e-5, err_msg=key)
+    for key, value in a.items():
+        np.testing.assert_allclose(value, b[key], rtol=1e-5, atol=5e-5, err_msg=key)
 
 
 def max_difference(a: dict, b: dict) -> float:
@@ -219,7 +223,7 @@ def test_explicit_and_derived_reference_uploads_agree(method):
     for reply in train_replies(explicit):
         assert set(reply.content.array_records) == {"arrays", "reference-change"}
     # Derived mode uploads exactly what the base method uploads; explicit mode more.
-    base, base_metrics = run_app(method, False)
+    _, base_metrics = run_app(method, False)
     for row_base, row_derived, row_explicit in zip(base_metrics["rounds"],
                                                    derived_metrics["rounds"],
                                                    explicit_metrics["rounds"]):

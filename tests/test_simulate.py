@@ -227,7 +227,7 @@ def test_stopping_an_owned_process_ends_its_group_and_other_sessions(tmp_path, s
     process = OwnedProcess([standin], env={**os.environ, "STANDIN": "sleep"},
                            log_file=tmp_path / "tree.log").start()
     pids = _pids(tmp_path / "tree.log")
-    assert len(set(os.getpgid(pid) for pid in pids)) == 3
+    assert len({os.getpgid(pid) for pid in pids}) == 3
     assert os.getsid(pids[2]) == pids[2] != os.getsid(pids[0])
     process.stop(timeout=5)
     assert all(_gone(pid) for pid in pids), [pid for pid in pids if not _gone(pid, 0)]

@@ -151,7 +151,7 @@ class RunConfig:
         out.update(self.extra)
         return out
 
-    def replace(self, **changes: Any) -> "RunConfig":
+    def replace(self, **changes: Any) -> RunConfig:
         """A copy with fields changed (snake_case names)."""
         return dataclasses.replace(self, **changes)
 

@@ -44,8 +44,8 @@ from fedspc_app.core.errors import ConfigError
 
 __all__ = [
     "MODEL_NAMES",
-    "FedAvgCNN",
     "CifarVGG11",
+    "FedAvgCNN",
     "build_model",
     "split_body_head",
 ]

@@ -34,8 +34,8 @@ from fedspc_app.core.files import atomic_write
 __all__ = [
     "Partition",
     "dirichlet_partition",
-    "save_partition",
     "load_partition_counts",
+    "save_partition",
 ]
 
 PARTITION_JSON = "partition.json"
@@ -420,7 +420,7 @@ def dirichlet_partition(
 # --------------------------------------------------------------------------- #
 
 
-def save_partition(partition: "Partition | Mapping[str, Any]",
+def save_partition(partition: Partition | Mapping[str, Any],
                    directory: str | os.PathLike[str]) -> None:
     """Write ``partition.json`` and ``partition.csv`` into ``directory``.
 

@@ -498,11 +498,11 @@ def write_report(records: Sequence[ResultRecord], out_dir: str | Path, *,
         ("best", "Best-round personalized accuracy (%)", table1(records, metric="best")),
     ]
     if any(r.kind == FEDERATED and r.fedspc for r in records):
-        tables.insert(1, ("table3", "Base vs +FedSPC, final round (%), Table 3 format; "
-                                    "Δ = +FedSPC − Base", table3(records)))
-        tables.insert(2, ("pairs", "Base vs +FedSPC over the run (seed means, %): Δ at "
-                                   "the final round, over the last 5 rounds and at the "
-                                   "best round; rounds where +FedSPC is ahead / behind",
+        tables.insert(1, ("table3", ("Base vs +FedSPC, final round (%), Table 3 format; "
+                                     "Δ = +FedSPC − Base"), table3(records)))
+        tables.insert(2, ("pairs", ("Base vs +FedSPC over the run (seed means, %): Δ at "
+                                    "the final round, over the last 5 rounds and at the "
+                                    "best round; rounds where +FedSPC is ahead / behind"),
                           pairs_table(records)))
     clients = clients_table(records)
     if clients.rows:
@@ -536,9 +536,9 @@ def write_report(records: Sequence[ResultRecord], out_dir: str | Path, *,
     seeds = sorted({r.seed for r in records})
     done = sum(r.complete for r in records)
     parts = [f"# Results{': ' + title if title else ''}", "",
-             f"{done} of {len(records)} cells complete; seeds {', '.join(map(str, seeds))}. "
-             f"Values are mean ± sample std over seeds (the mean alone for one seed); "
-             f"{MISSING} = not finished.", ""]
+             (f"{done} of {len(records)} cells complete; seeds {', '.join(map(str, seeds))}. "
+              f"Values are mean ± sample std over seeds (the mean alone for one seed); "
+              f"{MISSING} = not finished."), ""]
     for stem, heading, table in tables:
         markdown, text = to_markdown(table), to_csv(table)
         for suffix, content in (("md", markdown), ("csv", text)):
