@@ -92,7 +92,7 @@ class InProcessGrid(Grid):
             if node_id in self.fail_nodes:
                 raise RuntimeError(f"node {node_id} was told to fail")
             reply = self.client_app(message, trial)
-        except Exception as error:
+        except Exception as error:  # becomes an error reply, as in Flower
             return Message(Error(code=0, reason=f"{type(error).__name__}: {error}"),
                            reply_to=message)
         self.contexts[node_id] = trial

@@ -473,7 +473,7 @@ def test_restarted_supernode_continues_from_its_durable_state(deployment, tmp_pa
             outcome["summary"] = deployment.run(
                 {**RUN, "num-rounds": 3, "output-dir": str(tmp_path), "run-name": "restart"},
                 log_file=tmp_path / "run.log", timeout=1500)
-        except BaseException as error:
+        except BaseException as error:  # re-raised in the test thread
             outcome["error"] = error
 
     runner = threading.Thread(target=submit, daemon=True)
@@ -521,7 +521,7 @@ def test_a_killed_superlink_resumes_the_run_from_its_checkpoint(deployment, tmp_
         try:
             outcome["summary"] = deployment.run(run_config, log_file=tmp_path / "first.log",
                                                 timeout=1500)
-        except BaseException as error:
+        except BaseException as error:  # the kill makes this run fail
             outcome["error"] = error
 
     first = threading.Thread(target=submit, daemon=True)
