@@ -37,9 +37,11 @@ from deploy.processes import (
 )
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.errors import FedSPCError
+from fedspc_app.core.pause import RunPaused
 from fedspc_app.launch.cli import (
     BAD_INPUT,
     FAILED,
+    PAUSED,
     RUN_ERRORS,
     add_run_config_arguments,
     fail,
@@ -298,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                                        log_file=root / "simulation.log", timeout=args.timeout)
                     times = round_seconds(output / f"{name}-simulated")
                     print(f"simulation: {len(times)} rounds, seconds per round {times}")
+        except RunPaused as paused:
+            return fail(paused, PAUSED)
         except RUN_ERRORS as error:
             return fail(error, FAILED)
     return 0

@@ -29,6 +29,7 @@ from fedspc_app.core.errors import ConfigError, FedSPCError
 from fedspc_app.core.files import folder_lock
 from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.partition import save_partition
+from fedspc_app.core.pause import RunPaused, clear_pause
 from fedspc_app.core.results import RunRecorder, TrafficGrid, read_summary
 from fedspc_app.core.task import (
     DatasetShape,
@@ -200,10 +201,15 @@ def train(grid: Grid, checked: CheckedRun) -> None:
             on_trained=records.on_trained,
             on_round_end=records.on_round_end,
         )
+    except RunPaused as paused:
+        clear_pause(recorder.run_dir)
+        recorder.finish(paused=paused.after_round)
+        return
     except FedSPCError as error:
         recorder.finish()
         log(ERROR, "Run stopped: %s", error)
         raise SystemExit(f"fedspc: {error}") from None
+    clear_pause(recorder.run_dir)  # asked during the last round: nothing left to pause
     # The clients' files are only needed to continue this run: kept in a deployment
     # (each SuperNode's state-dir), in a simulation only when asked.
     remove = (not deployment and not config.keep_client_state

@@ -3,7 +3,9 @@
     python -m fedspc_app.simulate --run-config conf/cpu-cifar100-cnn.toml \\
         --clients 10 --client-cpus 1 --set "num-rounds=3" [--resume]
 
-Exit code 2: bad input (nothing was started); 1: the run failed.
+Exit code 2: bad input (nothing was started); 1: the run failed; 3: it stopped on a
+pause request (`python -m fedspc_app.experiments pause RUN_DIR`), and the same
+command with --resume continues it.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import yaml
 
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.files import folder_lock
+from fedspc_app.core.pause import PAUSE_REQUEST, RunPaused, request_pause
 from fedspc_app.experiments import cli, runner
 from fedspc_app.experiments.grid import (
     Cell,
@@ -509,3 +510,114 @@ def test_an_interrupted_cell_is_resumed_and_a_new_one_started(tmp_path, monkeypa
                                   simulation=grid.simulation)
     assert launched == {interrupted.run_config["run-name"]: True,
                         fresh.run_config["run-name"]: False}
+
+
+# ------------------------------------------------------------------------ pausing
+class PausingRunner(FakeRunner):
+    """Pauses the cell ``pause`` (as its ServerApp does on a request); with
+    ``request``, asks for a grid pause while the cell ``request`` runs."""
+
+    def __init__(self, grid, pause: str = "", request: str = "") -> None:
+        super().__init__()
+        self.grid, self.pause, self.request = grid, pause, request
+
+    def __call__(self, cell: Cell, log_file: Path) -> dict:
+        if cell.name == self.request:
+            request_pause(self.grid.directory)
+        if cell.name == self.pause:
+            self.calls.append(cell.name)
+            raise RunPaused(4, 10, cell.name)
+        return super().__call__(cell, log_file)
+
+
+def test_a_paused_cell_stops_the_grid_without_counting_as_failed(tmp_path):
+    grid = small_grid(tmp_path)
+    name = grid.cells[1].name  # `experiments pause` while it runs: it pauses
+    fake, lines = PausingRunner(grid, pause=name, request=name), []
+    outcome = run_grid(grid, grid.cells, runner=fake, echo=lines.append)
+    assert fake.calls == [grid.cells[0].name, grid.cells[1].name]
+    assert outcome.paused and outcome.ok and outcome.ran == [grid.cells[0].name]
+    assert not (grid.directory / "failures.json").exists()
+    assert lines[-2].startswith(f"[2/4] {grid.cells[1].name} paused after round 4 of 10")
+    assert lines[-1] == ("Grid g paused on request with 1 of 4 selected cells done; "
+                         "the same command continues it.")
+    assert not (grid.directory / PAUSE_REQUEST).exists()  # honoured, then removed
+    again = FakeRunner()
+    assert not run_grid(grid, grid.cells, runner=again, echo=lambda _: None).paused
+    assert again.calls == [c.name for c in grid.cells[1:]]
+
+
+def test_a_grid_pause_between_cells_and_a_stale_one(tmp_path):
+    grid = small_grid(tmp_path)
+    fake = PausingRunner(grid, request=grid.cells[1].name)  # --after-cell: it finishes
+    outcome = run_grid(grid, grid.cells, runner=fake, echo=lambda _: None)
+    assert outcome.paused and fake.calls == [c.name for c in grid.cells[:2]]
+    assert not (grid.directory / PAUSE_REQUEST).exists()
+    # A request left behind by a grid that was killed is older than this run: ignored.
+    os.utime(request_pause(grid.directory), (0, 0))
+    outcome = run_grid(grid, grid.cells, runner=FakeRunner(), echo=lambda _: None)
+    assert not outcome.paused and len(outcome.ran) == 2
+
+
+def started_cell(cell: Cell, *, checkpoint: bool = True, rounds: int = 3) -> None:
+    cell.run_dir.mkdir(parents=True, exist_ok=True)
+    (cell.run_dir / "config.json").write_text(json.dumps(
+        {"run-config": {**cell.run_config, "checkpoint": checkpoint}}))
+    (cell.run_dir / "checkpoint.json").write_text(json.dumps(
+        {"round": rounds, "elapsed-seconds": 60.0}))
+
+
+def test_pause_asks_the_running_grid_and_its_running_cell(tmp_path, capsys):
+    path = write_yaml(tmp_path / "tiny.yaml", {"base": {"num-rounds": 10},
+                                               "axes": {"method": ["fedper", "fedrep"]}})
+    out = tmp_path / "results"
+    args = [str(path), "--output-dir", str(out)]
+    assert cli.main(["pause", *args]) == 2
+    assert "nothing runs in" in capsys.readouterr().err
+    grid = load_grid(path, output_dir=out)
+    runner.write_grid_json(grid)
+    running, waiting = grid.cells
+    started_cell(running)
+    with folder_lock(grid.directory, "grid 'tiny'"), folder_lock(running.run_dir, "run"):
+        assert cli.main(["pause", *args]) == 0
+        text = capsys.readouterr().out
+        assert "stops at the next round boundary" in text
+        assert f"{running.name} stops after its current round (3 of 10 rounds done)" in text
+        assert (grid.directory / PAUSE_REQUEST).is_file()
+        assert (running.run_dir / PAUSE_REQUEST).is_file()
+        assert not (waiting.run_dir / PAUSE_REQUEST).exists()
+        assert cli.main(["list", *args]) == 0
+        assert "(a pause is requested)" in capsys.readouterr().out
+        assert cli.main(["pause", str(grid.directory), "--cancel"]) == 0
+        assert f"withdrawn: tiny, {running.name}" in capsys.readouterr().out
+        assert not (grid.directory / PAUSE_REQUEST).exists()
+        assert not (running.run_dir / PAUSE_REQUEST).exists()
+        assert cli.main(["pause", *args, "--after-cell"]) == 0
+        assert f"{running.name} runs to its end first" in capsys.readouterr().out
+        assert not (running.run_dir / PAUSE_REQUEST).exists()
+
+
+def test_pause_asks_a_lone_run_unless_it_could_not_continue(tmp_path, capsys):
+    grid = small_grid(tmp_path)
+    cell = grid.cells[0]
+    started_cell(cell, checkpoint=False)
+    with folder_lock(cell.run_dir, "run 'r'"):
+        assert cli.main(["pause", str(cell.run_dir)]) == 2
+        assert "keeps no checkpoint (checkpoint = false)" in capsys.readouterr().err
+        started_cell(cell)
+        assert cli.main(["pause", str(cell.run_dir)]) == 0
+        assert "run 'r' (pid" in capsys.readouterr().out
+        assert (cell.run_dir / PAUSE_REQUEST).is_file()
+    assert cli.main(["pause", str(tmp_path)]) == 2
+    assert "neither a grid file" in capsys.readouterr().err
+
+
+def test_the_run_command_exits_3_when_its_grid_paused(tmp_path, monkeypatch):
+    path = write_yaml(tmp_path / "tiny.yaml", {"base": {"num-rounds": 2},
+                                               "axes": {"method": ["fedper"]}})
+
+    def paused(cell, *_, **__):
+        raise RunPaused(1, 2, cell.name)
+
+    monkeypatch.setattr(runner, "run_federated_cell", paused)
+    assert cli.main(["run", str(path), "--output-dir", str(tmp_path / "o")]) == 3

@@ -9,6 +9,7 @@ process would. The product's config and code are the real ones.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ from fedspc_app.core.checkpoint import CHECKPOINT_JSON
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.files import folder_lock
+from fedspc_app.core.pause import PAUSE_REQUEST, request_pause
 from fedspc_app.core.results import RunRecorder
 from fedspc_app.core.task import from_record
 from strategies.fedspc import GLOBAL_REFERENCE
@@ -293,6 +295,59 @@ def test_a_round_resumed_after_its_aggregation_counts_its_earlier_training_time(
     row = recorder.rounds[-1]
     assert 4.0 <= row["round-seconds"] < 5.0
     assert 80.0 < row["images-per-second"] <= 100.0
+
+
+class Pausing(InProcessGrid):
+    """Asks for a pause (as ``experiments pause`` does) while delivering message
+    ``pause_at``; with ``stale``, the request is dated before the run started."""
+
+    pause_at: int | None = None
+    stale = False
+
+    def deliver(self, message):
+        if self.pause_at is not None and len(self.sent) == self.pause_at:
+            path = request_pause(self.run_dir)
+            if self.stale:
+                os.utime(path, (0, 0))
+        return super().deliver(message)
+
+
+def pausing(pause_at: int, run_dir: Path, stale: bool = False):
+    def make(*args):
+        grid = Pausing(*args)
+        grid.pause_at, grid.run_dir, grid.stale = pause_at, run_dir, stale
+        return grid
+    return make
+
+
+# Message 8 is in round 2's training: the run ends once round 2 is evaluated.
+def test_a_paused_run_stops_after_its_round_and_resumes_to_the_same_metrics(tmp):
+    _, expected, _ = run(tmp / "a", checkpoint=True)
+    _, paused, error = run(tmp / "b", grid_type=pausing(8, tmp / "b" / "run"),
+                           checkpoint=True)
+    assert error is None and [r["round"] for r in paused] == [1, 2]
+    summary = summary_of(tmp / "b")
+    assert summary["complete"] is False and summary["paused-after-round"] == 2
+    assert json.loads((tmp / "b" / "run" / CHECKPOINT_JSON).read_text())["round"] == 2
+    assert (tmp / "b" / "run" / "client-state").is_dir()  # personal state and u_k kept
+    assert not (tmp / "b" / "run" / PAUSE_REQUEST).exists()  # honoured, then removed
+    _, resumed, error = run(tmp / "b", checkpoint=True, resume=True)
+    assert error is None and summary_of(tmp / "b")["complete"] is True
+    assert "paused-after-round" not in summary_of(tmp / "b")
+    assert accuracies(resumed) == accuracies(expected)
+    assert losses(resumed) == pytest.approx(losses(expected), rel=1e-4)
+
+
+@pytest.mark.parametrize("overrides,pause_at,stale", [
+    ({"checkpoint": False}, 8, False),  # nothing to continue from: the run goes on
+    ({"checkpoint": True}, 14, False),  # asked in the last round: nothing left to pause
+    ({"checkpoint": True}, 2, True),  # left by an earlier, killed run: stale
+])
+def test_a_pause_that_cannot_or_need_not_stop_the_run_is_dropped(tmp, overrides, pause_at,
+                                                                  stale):
+    _, rounds, error = run(tmp, grid_type=pausing(pause_at, tmp / "run", stale), **overrides)
+    assert error is None and len(rounds) == 3 and summary_of(tmp)["complete"] is True
+    assert not (tmp / "run" / PAUSE_REQUEST).exists()
 
 
 def test_an_unfinished_run_is_never_restarted_over_but_a_finished_one_is(tmp):

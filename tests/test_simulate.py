@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,8 @@ from types import SimpleNamespace
 import pytest
 
 from fedspc_app import simulate
-from fedspc_app.launch import superlink
+from fedspc_app.core.pause import RunPaused
+from fedspc_app.launch import cli, superlink
 from fedspc_app.launch.processes import (
     LaunchFailed,
     OwnedProcess,
@@ -331,6 +333,33 @@ def test_a_failed_run_names_the_server_apps_reason_from_this_runs_log(tmp_path):
     with pytest.raises(superlink.SimulationFailed,
                        match=r"^run 'r' did not complete \(flwr exit code 0\); see "):
         superlink.submit_and_check(run_config, lambda _merged: 0, log_file=log)
+
+
+def test_a_run_that_paused_on_request_is_reported_as_paused(tmp_path, monkeypatch, capsys):
+    run_config = {"run-name": "r", "output-dir": str(tmp_path / "out"), "num-rounds": 5}
+
+    def paused(_merged):
+        summary = {"complete": False, "rounds": 2, "paused-after-round": 2}
+        (tmp_path / "out" / "r").mkdir(parents=True)
+        (tmp_path / "out" / "r" / "summary.json").write_text(json.dumps(summary))
+        return 0
+
+    with pytest.raises(RunPaused, match=r"^run 'r' paused after round 2 of 5$"):
+        superlink.submit_and_check(run_config, paused)
+
+    @contextlib.contextmanager
+    def no_superlink(_home):
+        yield None
+
+    def raise_paused(*_args, **_kwargs):
+        raise RunPaused(2, 5, "r")
+
+    monkeypatch.setattr(cli, "simulation", no_superlink)
+    monkeypatch.setattr(cli, "run_simulation", raise_paused)
+    args = SimpleNamespace(clients=2, client_cpus=1.0, client_gpus=0.0)
+    assert cli.simulate_once(run_config, args) == cli.PAUSED == 3
+    assert "paused after round 2 of 5; the same command with --resume continues it" in (
+        capsys.readouterr().err)
 
 
 def test_flwr_run_timeout_kills_everything_it_started(tmp_path, standin):

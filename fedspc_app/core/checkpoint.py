@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from flwr.supercore import log
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.files import atomic_open, atomic_write
+from fedspc_app.core.pause import RunPaused, clear_pause, pause_requested
 from fedspc_app.core.results import CHECKPOINT_SECONDS, RunRecorder, read_summary
 from fedspc_app.core.task import from_record
 
@@ -161,8 +162,10 @@ def _plain(value: Any) -> Any:
 
 class RoundRecords:
     """The round loop's callbacks: after each round's aggregation the checkpoint,
-    after its evaluation the progress line, the results files and the checkpoint.
-    ``strategy`` answers ``state_dict()`` and ``state_arrays()`` (strategies/)."""
+    after its evaluation the progress line, the results files and the checkpoint,
+    then the pause request (:mod:`fedspc_app.core.pause`): one present ends the run
+    there by raising :class:`RunPaused`. ``strategy`` answers ``state_dict()`` and
+    ``state_arrays()`` (strategies/)."""
 
     def __init__(self, config: RunConfig, strategy: Any, recorder: RunRecorder,
                  identity: dict, resumed: Checkpoint | None) -> None:
@@ -172,6 +175,7 @@ class RoundRecords:
         self.identity = identity
         self.failed_streak = resumed.failed_streak if resumed else 0
         self.shared = resumed.shared if resumed else {}
+        self.started = time.time()  # pause requests from before this are stale
 
     def checkpoint(self, server_round: int, phase: str, *, new_arrays: bool,
                    train_metrics: MetricRecord | None = None) -> None:
@@ -202,6 +206,14 @@ class RoundRecords:
                      evaluate_metrics: MetricRecord | None, report: Any) -> None:
         self.recorder.on_round_end(server_round, train_metrics, evaluate_metrics, report)
         self.checkpoint(server_round, COMPLETE, new_arrays=False)
+        if (server_round < self.config.num_rounds
+                and pause_requested(self.recorder.run_dir, self.started)):
+            if self.config.checkpoint:
+                raise RunPaused(server_round, self.config.num_rounds,
+                                self.config.resolved_run_name)
+            clear_pause(self.recorder.run_dir)
+            log(WARNING, "A pause was asked, but this run keeps no checkpoint "
+                "(checkpoint = false) to continue from: it goes on")
 
 
 def resume_point(config: RunConfig, identity: dict) -> Checkpoint | None:

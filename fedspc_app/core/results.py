@@ -297,10 +297,12 @@ class RunRecorder:
                 f"{row['bytes-received'] / 1e6:.1f} MB"
                 f" | {row['round-seconds']:.1f} s | ETA {eta}")
 
-    def finish(self, *, can_extend: bool | None = None) -> dict[str, Any]:
+    def finish(self, *, can_extend: bool | None = None,
+               paused: int | None = None) -> dict[str, Any]:
         """Write the summary (final and best round) and print it. ``can_extend``
         (a complete run): whether its checkpoint and clients' state are kept, so
-        that resuming it with a larger num-rounds continues it."""
+        that resuming it with a larger num-rounds continues it. ``paused``: the
+        round after which the run stopped on request (``paused-after-round``)."""
         evaluated = [r for r in self.rounds if r.get("accuracy") is not None]
         summary: dict[str, Any] = {
             "complete": len(self.rounds) >= self.config.num_rounds,
@@ -310,6 +312,8 @@ class RunRecorder:
         }
         if can_extend is not None:
             summary["can-extend"] = can_extend
+        if paused is not None:
+            summary["paused-after-round"] = paused
         if evaluated:
             final = evaluated[-1]
             best = max(evaluated, key=lambda r: r["accuracy"])
@@ -325,7 +329,12 @@ class RunRecorder:
             })
         self._write_metrics(summary)
         write_summary(self.run_dir, _clean_tree(summary))
-        if evaluated:
+        if paused is not None:
+            self.echo(
+                f"[{self.config.label}] paused after round {paused} of "
+                f"{self.config.num_rounds} ({format_duration(summary['wall-seconds'])} run "
+                f"so far); resume = true continues it; results in {self.run_dir}")
+        elif evaluated:
             self.echo(
                 f"[{self.config.label}] done in {format_duration(summary['wall-seconds'])}: "
                 f"final accuracy {100 * summary['final-accuracy']:.2f}% (round "

@@ -5,6 +5,7 @@ centralized reference and partition figures::
         [--output-dir DIR] [--set "k=v ..."] [--retry-failed]
         [--clients N] [--client-cpus X] [--client-gpus X] [--timeout S]
     python -m fedspc_app.experiments list GRID.yaml        # the same as run --dry-run
+    python -m fedspc_app.experiments pause GRID_OR_RUN [--after-cell] [--cancel]
     python -m fedspc_app.experiments report GRID_DIR_OR_YAML [...] [--out DIR]
         [--label NAME ...]
     python -m fedspc_app.experiments centralized [--run-config TOML] [--set "k=v ..."]
@@ -12,7 +13,8 @@ centralized reference and partition figures::
     python -m fedspc_app.experiments partition RUN_DIR... [-o PNG]
 
 Bad input is one ``fedspc: ...`` line on stderr and exit code 2; ``run`` exits
-with 1 when a cell failed.
+with 1 when a cell failed, and with 3 when it paused on request (the same command
+continues it).
 """
 
 from __future__ import annotations
@@ -27,14 +29,14 @@ from pathlib import Path
 from fedspc_app.core.errors import ConfigError, FedSPCError
 from fedspc_app.core.files import folder_lock
 from fedspc_app.core.partition import load_partition_counts
-from fedspc_app.experiments import centralized
+from fedspc_app.experiments import centralized, pausing
 from fedspc_app.experiments.grid import Grid, filter_cells, load_grid, parse_only
 from fedspc_app.experiments.layout import LOGS_DIR, REPORT_DIR
 from fedspc_app.experiments.plots import plot_partition, plot_partitions
 from fedspc_app.experiments.records import load_records
 from fedspc_app.experiments.reports import write_report
 from fedspc_app.experiments.runner import CellRunner, print_plan, run_grid
-from fedspc_app.launch.cli import BAD_INPUT, FAILED, fail
+from fedspc_app.launch.cli import BAD_INPUT, FAILED, PAUSED, fail
 from fedspc_app.launch.processes import exit_on_termination
 from fedspc_app.launch.runconfig import load_overrides, parse_assignments
 
@@ -64,7 +66,17 @@ def run(args: argparse.Namespace) -> int:
         outcome = run_grid(grid, cells, runner=runner, retry_failed=args.retry_failed)
         if not args.no_report:
             report(str(grid.directory), None, None)
-    return 0 if outcome.ok else FAILED
+    if not outcome.ok:
+        return FAILED
+    return PAUSED if outcome.paused else 0
+
+
+def pause_command(args: argparse.Namespace) -> int:
+    target = pausing.resolve_target(args.target, args.output_dir)
+    lines = (pausing.cancel(target) if args.cancel
+             else pausing.pause(target, after_cell=args.after_cell))
+    print("\n".join(lines))
+    return 0
 
 
 def grid_records(target: str, output_dir: str | None) -> tuple[Path, str, list]:
@@ -190,6 +202,17 @@ def _add_grid_commands(commands: argparse._SubParsersAction) -> None:
                              help="stream every cell's output, not only progress")
             sub.add_argument("--flwr-home", help="keep the SuperLink's FLWR_HOME here")
         sub.set_defaults(handler=run)
+    sub = commands.add_parser(
+        "pause", help="stop a running grid or run at its next round boundary",
+        description="Stop a running grid (or a single run) cleanly: the running run "
+                    "ends after its current round with its checkpoint written, and the "
+                    "grid stops; its run command continues it (a run: resume = true).")
+    sub.add_argument("target", help="grid file (YAML), grid folder, or a run's folder")
+    sub.add_argument("--output-dir", help="with a grid file: parent of the grid's folder")
+    sub.add_argument("--after-cell", action="store_true",
+                     help="let the running cell finish, then stop the grid")
+    sub.add_argument("--cancel", action="store_true", help="withdraw a pause request")
+    sub.set_defaults(handler=pause_command)
     sub = commands.add_parser("report", help="tables and figures from grids' results")
     sub.add_argument("grid", nargs="+",
                      help="grid folder (<output-dir>/<name>) or grid file; several are "

@@ -3,7 +3,9 @@
 Federated cells share one private SuperLink; a centralized reference runs as
 ``python -m fedspc_app.experiments centralized`` in a child process. A cell whose
 ``summary.json`` is complete is done and skipped; a failing cell is recorded in
-``failures.json`` (and rerun only when asked) while the others go on.
+``failures.json`` (and rerun only when asked) while the others go on. A pause
+request (``python -m fedspc_app.experiments pause``) stops the grid at a round
+boundary of its running cell, or between cells; running it again continues.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 from fedspc_app.core.checkpoint import CHECKPOINT_JSON, saved_progress
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.files import atomic_write, holder_text, lock_holder
+from fedspc_app.core.pause import PAUSE_REQUEST, RunPaused, clear_pause, pause_requested
 from fedspc_app.core.results import CONFIG_JSON, SUMMARY_JSON, format_duration
 from fedspc_app.experiments.grid import Cell, Grid, SimulationSettings
 from fedspc_app.experiments.layout import (
@@ -238,6 +241,7 @@ class GridOutcome:
     ran: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
+    paused: bool = False
 
     @property
     def ok(self) -> bool:
@@ -282,9 +286,21 @@ def run_grid(grid: Grid, cells: Sequence[Cell], *,
 
     Writes ``grid.json``; skips finished cells and, unless ``retry_failed``, those
     in ``failures.json``; records a cell raising one of :data:`CELL_ERRORS` there
-    and goes on. Progress (cells done, elapsed time, ETA from the mean time of the
-    cells run so far) goes to ``echo``.
+    and goes on. Stops (``outcome.paused``) when a cell ends on a pause request or
+    the grid's folder holds one between cells. Progress (cells done, elapsed time,
+    ETA from the mean time of the cells run so far) goes to ``echo``.
     """
+    since = time.time()  # older pause requests are stale
+    try:
+        return _run_cells(grid, cells, runner=runner, retry_failed=retry_failed,
+                          echo=echo, clock=clock, since=since)
+    finally:
+        clear_pause(grid.directory)
+
+
+def _run_cells(grid: Grid, cells: Sequence[Cell], *,
+               runner: Callable[[Cell, Path], Mapping[str, Any]], retry_failed: bool,
+               echo: Echo, clock: Callable[[], float], since: float) -> GridOutcome:
     write_grid_json(grid)
     failures = read_failures(grid.directory)
     outcome = GridOutcome()
@@ -297,6 +313,9 @@ def run_grid(grid: Grid, cells: Sequence[Cell], *,
     started = clock()
     durations: list[float] = []
     for index, cell in enumerate(todo, start=1):
+        if pause_requested(grid.directory, since):
+            outcome.paused = True
+            break
         log_file = log_path(grid, cell)
         log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(log_file, "a", encoding="utf-8") as handle:
@@ -305,6 +324,11 @@ def run_grid(grid: Grid, cells: Sequence[Cell], *,
         cell_started = clock()
         try:
             summary = runner(cell, log_file)
+        except RunPaused as paused:
+            outcome.paused = True
+            echo(f"[{done + 1}/{total}] {cell.name} paused after round {paused.after_round}"
+                 f" of {paused.num_rounds} | elapsed {format_duration(clock() - started)}")
+            break
         except CELL_ERRORS as error:
             seconds = clock() - cell_started
             failures[cell.name] = {"error": str(error), "log": str(log_file), "at": _now()}
@@ -332,7 +356,10 @@ def run_grid(grid: Grid, cells: Sequence[Cell], *,
         echo(f"{len(outcome.failed)} cell(s) failed:")
         for name, log in outcome.failed.items():
             echo(f"  {name}: {failures.get(name, {}).get('error', '')} (log: {log})")
-    else:
+    if outcome.paused:
+        echo(f"Grid {grid.name} paused on request with {done} of {total} selected cells "
+             "done; the same command continues it.")
+    elif not outcome.failed:
         echo(f"Grid {grid.name}: all {total} selected cells done.")
     return outcome
 
@@ -351,7 +378,9 @@ def print_plan(grid: Grid, cells: Sequence[Cell], echo: Echo = print) -> None:
                                             if sim.timeout else ""))
     holder = lock_holder(grid.directory)
     if holder is not None:
-        echo(f"Running now: {holder_text(holder)}")
+        echo(f"Running now: {holder_text(holder)}"
+             + (" (a pause is requested)" if (grid.directory / PAUSE_REQUEST).is_file()
+                else ""))
     width = max(len(cell.name) for cell in cells) if cells else 0
     for cell, status in zip(cells, statuses):
         note = progress_note(cell) if status != "done" else ""

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from fedspc_app.core.errors import FedSPCError
+from fedspc_app.core.pause import RunPaused
 from fedspc_app.launch.processes import LaunchFailed, exit_on_termination
 from fedspc_app.launch.runconfig import (
     check_resources,
@@ -19,6 +20,7 @@ from fedspc_app.launch.superlink import SimulationFailed, run_simulation, simula
 
 BAD_INPUT = 2  # as argparse exits on a bad argument
 FAILED = 1
+PAUSED = 3  # stopped on a pause request; the same command with resume continues it
 RUN_ERRORS = (FedSPCError, SimulationFailed, LaunchFailed, TimeoutError, OSError)
 """What a started run can fail with, short of a bug."""
 
@@ -52,13 +54,17 @@ def fail(error: BaseException, code: int) -> int:
 def simulate_once(run_config: dict[str, Any], args: argparse.Namespace, *,
                   flwr_home: Path | None = None, log_file: Path | None = None,
                   echo: bool = False) -> int:
-    """Run ``run_config`` on a private SuperLink with the resources in ``args``; 0, or
-    :data:`FAILED` after reporting why."""
+    """Run ``run_config`` on a private SuperLink with the resources in ``args``; 0,
+    :data:`PAUSED` (a pause request stopped it) or :data:`FAILED` after reporting why."""
     try:
         with exit_on_termination(), simulation(flwr_home) as superlink:
             run_simulation(run_config, superlink=superlink, clients=args.clients,
                            client_cpus=args.client_cpus, client_gpus=args.client_gpus,
                            log_file=log_file, echo=echo)
+    except RunPaused as paused:
+        print(f"fedspc: {paused}; the same command with --resume continues it",
+              file=sys.stderr)
+        return PAUSED
     except RUN_ERRORS as error:
         return fail(error, FAILED)
     return 0

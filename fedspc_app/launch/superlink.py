@@ -22,6 +22,7 @@ from typing import Any
 
 import tomli_w
 
+from fedspc_app.core.pause import RunPaused
 from fedspc_app.launch.processes import (
     OwnedProcess,
     child_env,
@@ -167,7 +168,8 @@ def submit_and_check(run_config: Mapping[str, Any], submit: Callable[[dict], int
     ``submit(merged) -> exit code`` runs it (``flwr run`` on some connection) and
     waits. ``flwr run`` exits 0 even when the ServerApp fails, so success is a
     complete ``summary.json`` written by this run; a failure names the ServerApp's
-    reason when ``log_file`` holds it.
+    reason when ``log_file`` holds it. A run that stopped on a pause request raises
+    :class:`RunPaused`.
     """
     merged, config = resolve_run_config(run_config, app_dir)
     summary_path = config.run_dir / "summary.json"
@@ -180,6 +182,9 @@ def submit_and_check(run_config: Mapping[str, Any], submit: Callable[[dict], int
         raise SimulationFailed(f"run {config.resolved_run_name!r} " + (
             reason if reason else f"did not complete (flwr exit code {code})") + where)
     summary = json.loads(summary_path.read_text())
+    if not summary.get("complete") and isinstance(summary.get("paused-after-round"), int):
+        raise RunPaused(summary["paused-after-round"], config.num_rounds,
+                        config.resolved_run_name)
     if not summary.get("complete"):
         raise SimulationFailed(f"run {config.resolved_run_name!r} stopped early: {summary}")
     return summary
