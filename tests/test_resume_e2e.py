@@ -1,7 +1,8 @@
 """Kill and resume a real simulation: ``python -m fedspc_app.simulate``, a SuperLink,
 Flower's Ray engine. The run is killed with SIGKILL (every process it started,
 SuperLink and Ray included) during round 4 of 6 and resumed with ``--resume``; it
-must end with the metrics of the same run left alone.
+must end with the metrics of the same run left alone. Then another is paused
+with ``python -m fedspc_app.experiments pause`` and resumed, to the same end.
 """
 
 from __future__ import annotations
@@ -91,3 +92,21 @@ def test_a_killed_simulation_resumes_to_the_uninterrupted_metrics(tmp_path):
     config = json.loads((run_dir / "config.json").read_text())
     assert config["resumed-after-round"] in (3, 4)  # 4: its aggregation was checkpointed
     assert json.loads((run_dir / "summary.json").read_text())["complete"] is True
+
+    # Paused on request instead: it ends after a round, exits with 3, and resumes.
+    run_dir = tmp_path / "paused"
+    paused = simulate(tmp_path, "paused")
+    while rounds_done(run_dir) < 1:
+        assert paused.poll() is None, "the run ended before round 2"
+        assert time.monotonic() < deadline + 900
+        time.sleep(0.2)
+    subprocess.run([sys.executable, "-m", "fedspc_app.experiments", "pause", str(run_dir)],
+                   cwd=REPO, check=True, capture_output=True)
+    assert paused.wait(timeout=900) == 3
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["complete"] is False and summary["paused-after-round"] < 6
+    assert rounds_done(run_dir) == summary["paused-after-round"]
+    assert not (run_dir / "pause-request.json").exists()
+    assert simulate(tmp_path, "paused", "--resume").wait(timeout=900) == 0
+    assert accuracies(metrics(run_dir)) == accuracies(whole)
+    assert losses(metrics(run_dir)) == losses(whole)
