@@ -346,6 +346,25 @@ def test_the_plan_and_the_progress_say_how_far_an_interrupted_cell_got(tmp_path)
     assert lines[1].endswith(note) and lines[1].startswith(f"[1/1] {stopped.name}: ")
 
 
+def test_the_plan_says_when_recorded_rounds_have_no_checkpoint_to_continue_from(tmp_path):
+    # A partial run whose checkpoint is gone (or that ran with checkpoint = false)
+    # runs again from round 1; the plan and the progress line say so before it does.
+    grid = small_grid(tmp_path)
+    partial, empty = grid.cells[0], grid.cells[1]
+    partial.run_dir.mkdir(parents=True)
+    (partial.run_dir / "metrics.json").write_text(json.dumps({"rounds": [{}, {}]}))
+    empty.run_dir.mkdir(parents=True)
+    (empty.run_dir / "metrics.json").write_text("{not json")
+    note = " (starts over: the 2 rounds in its folder have no checkpoint)"
+    lines = []
+    runner.print_plan(grid, grid.cells, echo=lines.append)
+    assert lines[2].startswith(f"  pending {partial.name} ") and lines[2].endswith(note)
+    assert lines[3].startswith(f"  pending {empty.name} ") and lines[3].endswith("batch 64")
+    lines = []
+    run_grid(grid, grid.cells[:1], runner=FakeRunner(), echo=lines.append)
+    assert lines[1] == f"[1/1] {partial.name}: {runner.describe(partial)}{note}"
+
+
 def finished_with(cell: Cell, *, rounds: int, can_extend: bool, **changes) -> None:
     """A run of ``cell`` that finished ``rounds`` rounds with ``changes`` to its
     run-config, keeping its checkpoint."""

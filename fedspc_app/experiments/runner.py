@@ -26,7 +26,7 @@ from fedspc_app.core.checkpoint import CHECKPOINT_JSON, saved_progress
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.files import atomic_write, holder_text, lock_holder
 from fedspc_app.core.pause import PAUSE_REQUEST, RunPaused, clear_pause, pause_requested
-from fedspc_app.core.results import CONFIG_JSON, SUMMARY_JSON, format_duration
+from fedspc_app.core.results import CONFIG_JSON, METRICS_JSON, SUMMARY_JSON, format_duration
 from fedspc_app.experiments.grid import Cell, Grid, SimulationSettings
 from fedspc_app.experiments.layout import (
     FAILURES_JSON,
@@ -96,14 +96,25 @@ def cell_status(cell: Cell, failures: Mapping[str, Any]) -> str:
 
 
 def progress_note(cell: Cell) -> str:
-    """How far an unfinished federated cell got (its checkpoint), or ""."""
-    saved = None if cell.kind == "centralized" else saved_progress(cell.run_dir)
-    if saved is None:
+    """How far an unfinished federated cell got (its checkpoint); for rounds recorded
+    without a checkpoint to continue from, that they are run again; or ""."""
+    if cell.kind == "centralized":
         return ""
+    saved = saved_progress(cell.run_dir)
+    if saved is None:
+        recorded = _recorded_rounds(cell)
+        return (f" (starts over: the {recorded} rounds in its folder have no checkpoint)"
+                if recorded and not is_done(cell) else "")
     rounds, seconds = saved
     verb = "extends the finished run" if extension(cell) is not None else "resumes"
     return (f" ({verb} after round {rounds} of {cell.run_config['num-rounds']}, "
             f"{format_duration(seconds)} run so far)")
+
+
+def _recorded_rounds(cell: Cell) -> int:
+    metrics = read_json(cell.run_dir / METRICS_JSON)
+    rounds = metrics.get("rounds") if isinstance(metrics, dict) else None
+    return len(rounds) if isinstance(rounds, list) else 0
 
 
 def describe(cell: Cell) -> str:
