@@ -104,7 +104,7 @@ def progress_note(cell: Cell) -> str:
     if saved is None:
         recorded = _recorded_rounds(cell)
         return (f" (starts over: the {recorded} rounds in its folder have no checkpoint)"
-                if recorded and not is_done(cell) else "")
+                if recorded else "")
     rounds, seconds = saved
     verb = "extends the finished run" if extension(cell) is not None else "resumes"
     return (f" ({verb} after round {rounds} of {cell.run_config['num-rounds']}, "
