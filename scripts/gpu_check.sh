@@ -3,7 +3,8 @@
 # clients, E = 1, a few rounds each with 1.0, 0.5 and 0.25 GPU per client in fp32,
 # then 0.25 GPU per client with bf16 autocast and channels-last. Prints per setting
 # the first and the steady round time, training images/s and the peak GPU memory of
-# one client process. Sized for about 5 minutes on one recent GPU.
+# one client process. Sized for about 5 minutes on one recent GPU. Exits non-zero
+# when any setting failed (its log is kept in the work folder it prints).
 #
 #   bash scripts/gpu_check.sh
 #   ROUNDS=2 SETTINGS="0.5:fp32" bash scripts/gpu_check.sh
@@ -11,7 +12,8 @@
 #
 # Environment: DEVICE (cuda), MODEL (resnet34), CLIENTS (10), ROUNDS (3), EPOCHS (1),
 # TRAIN / TEST (50000 / 10000 synthetic images), SETTINGS (space-separated
-# "<gpus per client>:<precision>[:cl]", cl = channels-last).
+# "<gpus per client>:<precision>[:cl]", cl = channels-last), WORK (the folder for data,
+# runs and logs; a new temporary one by default).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,7 +27,11 @@ TEST=${TEST:-10000}
 SETTINGS=${SETTINGS:-"1.0:fp32 0.5:fp32 0.25:fp32 0.25:bf16:cl"}
 PYTHON=${PYTHON:-python}
 
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/fedspc-gpu-check-XXXXXX")
+if [ -n "${WORK:-}" ]; then
+    mkdir -p "$WORK"
+else
+    WORK=$(mktemp -d "${TMPDIR:-/tmp}/fedspc-gpu-check-XXXXXX")
+fi
 export FEDSPC_CACHE_DIR="$WORK/cache"
 "$PYTHON" scripts/synthetic_cifar.py "$WORK/data" --train "$TRAIN" --test "$TEST" >/dev/null
 if [ "$DEVICE" = cuda ]; then
@@ -51,7 +57,7 @@ for setting in $SETTINGS; do
         --set "dataset='cifar100' model='$MODEL' data-dir='$WORK/data' download=false
                device='$DEVICE' local-epochs=$EPOCHS precision='$precision'
                channels-last=$channels_last method='fedrep' fedspc=true" \
-        || echo "   failed: see $WORK/$name.log"
+        || echo "   failed$([ -s "$WORK/$name.log" ] && echo ": see $WORK/$name.log" || true)"
     if [ -n "$monitor" ]; then kill "$monitor" 2>/dev/null || true; fi
 done
 
@@ -60,6 +66,7 @@ import csv, json, sys
 from pathlib import Path
 
 work = Path(sys.argv[1])
+failed = []
 print(f"\n{'setting':<18} {'round 1 s':>9} {'steady s':>9} {'images/s':>9} {'GPU MiB/client':>15}")
 for setting in sys.argv[2:]:
     gpus, precision, *layout = setting.split(":")
@@ -68,6 +75,7 @@ for setting in sys.argv[2:]:
         rounds = json.loads((work / f"{name}.json").read_text())["flower"]
     except (OSError, ValueError):
         print(f"{name:<18} failed")
+        failed.append(name)
         continue
     steady = rounds[1:] or rounds
     seconds = sum(r["round-seconds"] for r in steady) / len(steady)
@@ -83,4 +91,6 @@ for setting in sys.argv[2:]:
     print(f"{name:<18} {rounds[0]['round-seconds']:>9.2f} {seconds:>9.2f} "
           f"{images / seconds:>9.0f} {memory:>15}")
 print(f"runs, logs and GPU samples in {work}")
+if failed:
+    sys.exit(f"failed settings: {' '.join(failed)} (see the lines above)")
 PY
