@@ -70,11 +70,18 @@ class TrainOutcome:
 
 @dataclass(frozen=True)
 class EvaluateOutcome:
-    """Personalized test metrics of one client."""
+    """Personalized test metrics of one client.
+
+    ``global_correct`` / ``global_examples``: for a method with a personal model and
+    ``evaluate-global-model``, the received global model on the same test split;
+    ``None`` otherwise.
+    """
 
     correct: int
     examples: int
     loss_sum: float
+    global_correct: int | None = None
+    global_examples: int | None = None
 
     @property
     def accuracy(self) -> float:
@@ -254,16 +261,21 @@ def evaluate_client(
     """Personalized accuracy of this client on its own test split.
 
     The evaluated model is the received shared block plus the client's
-    personalized entries; Ditto evaluates its personal model ``v_k``; FedBABU first
+    personalized entries; Ditto evaluates its personal model ``v_k`` (and, with
+    ``evaluate-global-model``, then the received global model too); FedBABU first
     fine-tunes (a throw-away copy) on the client's training data. Nothing here
     changes the client state.
     """
     device = data.device
     if method.personal_model:
+        global_correct = global_examples = None
+        if config.evaluate_global_model:
+            load_arrays(model, received)
+            global_correct, global_examples, _ = _evaluate(config, model.to(device), data)
         load_arrays(model, state.personal_model or received)
-    else:
-        assemble(model, split, received, state)
-    model = model.to(device)
+        correct, examples, loss_sum = _evaluate(config, model.to(device), data)
+        return EvaluateOutcome(correct, examples, loss_sum, global_correct, global_examples)
+    model = assemble(model, split, received, state).to(device)
     if method.finetune_before_eval and config.fedbabu_finetune_epochs > 0:
         block = "all" if config.fedbabu_finetune_parts == "all" else "head"
         train_epochs(
@@ -278,7 +290,10 @@ def evaluate_client(
             precision=config.precision,
             channels_last=config.channels_last,
         )
-    correct, examples, loss_sum = evaluate_model(model, data.batches("test")(),
-                                                 precision=config.precision,
-                                                 channels_last=config.channels_last)
-    return EvaluateOutcome(correct, examples, loss_sum)
+    return EvaluateOutcome(*_evaluate(config, model, data))
+
+
+def _evaluate(config: RunConfig, model: nn.Module, data: ClientData) -> tuple[int, int, float]:
+    """Correct predictions, examples and summed loss of ``model`` on the test split."""
+    return evaluate_model(model, data.batches("test")(), precision=config.precision,
+                          channels_last=config.channels_last)

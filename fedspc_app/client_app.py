@@ -29,6 +29,8 @@ from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.protocol import (
     APP_IMPORT_STARTED_AT,
     APP_IMPORTED_AT,
+    GLOBAL_CORRECT,
+    GLOBAL_EXAMPLES,
     HANDLER_STARTED_AT,
     NODE_QUERY,
     PARTITION_ID,
@@ -295,6 +297,9 @@ def evaluate(message: Message, context: Context) -> Message:
         **timings(started, working, time.perf_counter()),
         **first_message_times(started_at),
     })
+    if outcome.global_examples is not None:
+        metrics[GLOBAL_CORRECT] = int(outcome.global_correct)
+        metrics[GLOBAL_EXAMPLES] = int(outcome.global_examples)
     return Message(content=RecordDict({METRICS: metrics}), reply_to=message)
 
 

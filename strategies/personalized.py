@@ -34,6 +34,8 @@ from flwr.supercore import log
 
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.protocol import (
+    GLOBAL_CORRECT,
+    GLOBAL_EXAMPLES,
     LOCAL_CORRECT,
     LOCAL_EXAMPLES,
     PARTITION_ID,
@@ -56,17 +58,29 @@ EVALUATION_KEYS = ("num-examples", "correct", "loss-sum", PARTITION_ID)
 TIMINGS = (SETUP_SECONDS, WORK_SECONDS)
 
 
-def accuracy_before_aggregation(metrics: Sequence[MetricRecord]) -> dict[str, float | list]:
-    """The mean over clients, and each client's, accuracy of its locally trained model
-    (empty unless every reply reports one)."""
+def optional_accuracy(metrics: Sequence[MetricRecord], correct: str, examples: str,
+                      name: str) -> dict[str, float | list]:
+    """``name`` (the mean over clients) and ``client-<name>`` (each reply's, in order)
+    of an optional pair of reply counts; empty unless every reply reports a valid one."""
     usable = [m for m in metrics
-              if isinstance(m.get(LOCAL_CORRECT), int) and isinstance(m.get(LOCAL_EXAMPLES), int)
-              and 0 <= m[LOCAL_CORRECT] <= m[LOCAL_EXAMPLES] and m[LOCAL_EXAMPLES] > 0]
+              if isinstance(m.get(correct), int) and isinstance(m.get(examples), int)
+              and 0 <= m[correct] <= m[examples] and m[examples] > 0]
     if not metrics or len(usable) != len(metrics):
         return {}
-    accuracies = [m[LOCAL_CORRECT] / m[LOCAL_EXAMPLES] for m in usable]
-    return {"accuracy-before-aggregation": float(np.mean(accuracies)),
-            "client-accuracy-before-aggregation": accuracies}
+    accuracies = [m[correct] / m[examples] for m in usable]
+    return {name: float(np.mean(accuracies)), f"client-{name}": accuracies}
+
+
+def accuracy_before_aggregation(metrics: Sequence[MetricRecord]) -> dict[str, float | list]:
+    """The accuracy of each client's locally trained model (``evaluate-before-aggregation``)."""
+    return optional_accuracy(metrics, LOCAL_CORRECT, LOCAL_EXAMPLES,
+                             "accuracy-before-aggregation")
+
+
+def global_model_accuracy(metrics: Sequence[MetricRecord]) -> dict[str, float | list]:
+    """The received global model's accuracy on each client's test split, beside a
+    personal model's (``evaluate-global-model``)."""
+    return optional_accuracy(metrics, GLOBAL_CORRECT, GLOBAL_EXAMPLES, "global-accuracy")
 
 
 def summed_timings(metrics: Iterable[MetricRecord]) -> dict[str, float]:
@@ -391,7 +405,7 @@ class PersonalizedFedAvg(FedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Personalized accuracy (mean over clients), weighted accuracy, per client."""
-        rows, records, dropped = {}, [], 0
+        rows, records, dropped = {}, {}, 0
         for message in replies:
             reason = self.check_evaluation(message)
             if reason is None:
@@ -402,7 +416,7 @@ class PersonalizedFedAvg(FedAvg):
                 else:
                     rows[partition] = (int(metrics["correct"]), int(metrics["num-examples"]),
                                        float(metrics["loss-sum"]))
-                    records.append(metrics)
+                    records[partition] = metrics
                     continue
             dropped += 1
             log(WARNING, "round %d: dropped the evaluation reply of node %d: %s",
@@ -422,5 +436,6 @@ class PersonalizedFedAvg(FedAvg):
             "client-ids": ids,
             "client-accuracy": accuracies,
             "client-examples": [rows[pid][1] for pid in ids],
-            **summed_timings(records),
+            **summed_timings(records.values()),
+            **global_model_accuracy([records[pid] for pid in ids]),
         })

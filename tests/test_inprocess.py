@@ -25,7 +25,8 @@ from fedspc_app import client_app, server_app
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.datasets import load_dataset
 from fedspc_app.core.methods import METHODS, get_method
-from fedspc_app.core.task import from_record, make_model, parameter_split
+from fedspc_app.core.task import client_data, from_record, load_arrays, make_model, parameter_split
+from fedspc_app.core.training import evaluate_model
 from fedspc_app.serial import run_serial
 
 NUM_CLIENTS = 3
@@ -310,6 +311,41 @@ def test_accuracy_before_aggregation_is_the_trained_model_of_each_client(method)
     row = metrics["rounds"][-1]
     assert set(row["client-accuracy-before-aggregation"]) == {"0", "1", "2"}
     assert row["accuracy-before-aggregation"] != row["accuracy"]
+
+
+def test_ditto_evaluates_the_received_global_model_on_request():
+    """``evaluate-global-model``: each client's ``client-global-accuracy`` is the
+    received global model on its test split, computed here independently from the
+    evaluation messages; training and the personal models' accuracy are unchanged."""
+    _, plain = run_app("ditto", True)
+    grid, metrics = run_app("ditto", True, evaluate_global_model=True)
+    same = ("accuracy", "loss", "train-loss", "client-accuracy", "drift-dispersion")
+    for with_it, without in zip(metrics["rounds"], plain["rounds"], strict=True):
+        assert {k: with_it[k] for k in same} == {k: without[k] for k in same}
+    config = parse_run_config(grid.contexts[1].run_config)
+    dataset = load_dataset("digits", None)
+    for row in metrics["rounds"]:
+        evaluations = [m for m in grid.sent if m.metadata.message_type == MessageType.EVALUATE
+                       and m.content.config_records["config"]["server-round"] == row["round"]]
+        sent = from_record(evaluations[0].content.array_records["arrays"])
+        model = make_model(config, dataset)
+        load_arrays(model, sent)
+        expected = {}
+        for k in range(NUM_CLIENTS):
+            correct, examples, _ = evaluate_model(
+                model, client_data(config, k, NUM_CLIENTS).batches("test")())
+            expected[str(k)] = correct / examples
+        assert row["client-global-accuracy"] == pytest.approx(expected, abs=1e-12)
+        assert row["global-accuracy"] == pytest.approx(np.mean(list(expected.values())))
+        assert row["global-accuracy"] != row["accuracy"]
+
+
+def test_a_method_without_a_personal_model_ignores_evaluate_global_model():
+    _, plain = run_app("fedrep", True)
+    _, metrics = run_app("fedrep", True, evaluate_global_model=True)
+    for with_it, without in zip(metrics["rounds"], plain["rounds"], strict=True):
+        assert "global-accuracy" not in with_it and "client-global-accuracy" not in with_it
+        assert with_it["client-accuracy"] == without["client-accuracy"]
 
 
 def test_only_a_process_first_message_reports_when_the_process_and_handler_started(

@@ -83,9 +83,9 @@ def error_reply(node: int = 9, reason: str = "boom") -> Message:
 
 
 def eval_reply(partition_id: int, correct: int, n: int, loss_sum: float,
-               node: int = 1) -> Message:
+               node: int = 1, **extra) -> Message:
     metrics = MetricRecord({"partition-id": partition_id, "correct": correct,
-                            "num-examples": n, "loss-sum": loss_sum})
+                            "num-examples": n, "loss-sum": loss_sum, **extra})
     return Message(content=RecordDict({"metrics": metrics}), dst_node_id=node,
                    message_type=MessageType.EVALUATE)
 
@@ -449,6 +449,32 @@ def test_a_bad_evaluation_reply_is_dropped_and_counted(metrics, reason):
     result = server.aggregate_evaluate(2, [eval_reply(1, 5, 10, 2.0), bad])
     assert result["clients"] == 1 and result["accuracy"] == pytest.approx(0.5)
     assert server.report.evaluate_dropped == 1
+
+
+def test_the_global_model_accuracy_is_averaged_per_client_in_partition_order():
+    server = PersonalizedFedAvg(shared_keys=[W], num_partitions=3)
+    replies = [eval_reply(2, 9, 10, 3.0, node=3, **{"global-correct": 2, "global-examples": 10}),
+               eval_reply(0, 1, 4, 8.0, node=1, **{"global-correct": 3, "global-examples": 4}),
+               eval_reply(1, 30, 40, 16.0, node=2, **{"global-correct": 10, "global-examples": 40})]
+    result = server.aggregate_evaluate(5, replies)
+    assert list(result["client-global-accuracy"]) == pytest.approx([0.75, 0.25, 0.2])
+    assert result["global-accuracy"] == pytest.approx((0.75 + 0.25 + 0.2) / 3)
+    assert result["accuracy"] == pytest.approx((0.25 + 0.75 + 0.9) / 3)  # the personal models
+
+
+@pytest.mark.parametrize("extra", [
+    {},  # one client does not report it
+    {"global-correct": 11, "global-examples": 10},
+    {"global-correct": 1.5, "global-examples": 10},
+    {"global-correct": 0, "global-examples": 0},
+])
+def test_the_global_model_accuracy_needs_every_client_and_valid_counts(extra):
+    server = PersonalizedFedAvg(shared_keys=[W], num_partitions=2)
+    replies = [eval_reply(0, 5, 10, 2.0, node=1, **{"global-correct": 4, "global-examples": 10}),
+               eval_reply(1, 5, 10, 2.0, node=2, **extra)]
+    result = server.aggregate_evaluate(1, replies)
+    assert result["clients"] == 2
+    assert "global-accuracy" not in result and "client-global-accuracy" not in result
 
 
 def test_aggregate_evaluate_with_only_errors_returns_none():

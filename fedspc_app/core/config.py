@@ -74,6 +74,7 @@ class RunConfig:
     evaluate_every: int = 1
     evaluate_fraction: float = 1.0
     evaluate_before_aggregation: bool = False
+    evaluate_global_model: bool = False
 
     # Partitioning (the paper's Dirichlet label skew)
     alpha: float = 0.1

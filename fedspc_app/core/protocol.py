@@ -12,6 +12,8 @@ NODE_QUERY = "node"  # report this node's partition id only (nothing is loaded)
 PARTITION_ID = "partition-id"
 SHARED_STEPS = "shared-steps"  # optimizer steps that updated the shared block (FedSPC's E)
 LOCAL_CORRECT, LOCAL_EXAMPLES = "local-correct", "local-examples"  # before aggregation
+# A personal-model method's evaluation of the received global model (evaluate-global-model).
+GLOBAL_CORRECT, GLOBAL_EXAMPLES = "global-correct", "global-examples"
 SETUP_SECONDS, WORK_SECONDS = "setup-seconds", "work-seconds"
 # On the first message a ClientApp process handles, and only then: wall-clock epochs of
 # the process's start and of that handler's start. The server turns them into how

@@ -54,7 +54,8 @@ SCALAR_COLUMNS = (
     "round", "accuracy", "weighted-accuracy", "loss", "train-loss", "clients",
     "train-clients", "bytes-sent", "bytes-received", "train-images", "images-per-second",
     "round-seconds", "elapsed-seconds", "failed", "train-dropped", "evaluate-dropped",
-    *DRIFT_COLUMNS, "global-reference-norm", "accuracy-before-aggregation", *TIMING_COLUMNS,
+    *DRIFT_COLUMNS, "global-reference-norm", "accuracy-before-aggregation", "global-accuracy",
+    *TIMING_COLUMNS,
     CHECKPOINT_SECONDS,
 )
 
@@ -276,6 +277,11 @@ class RunRecorder:
                 str(pid): acc for pid, acc in zip(evaluate["client-ids"],
                                                   evaluate["client-accuracy"])
             }
+            if "global-accuracy" in evaluate:
+                row["global-accuracy"] = _clean(float(evaluate["global-accuracy"]))
+                row["client-global-accuracy"] = {
+                    str(pid): _clean(float(acc)) for pid, acc in
+                    zip(evaluate["client-ids"], evaluate["client-global-accuracy"])}
         self.rounds.append(row)
         self._write_metrics()
         self.echo(self.progress_line(row))

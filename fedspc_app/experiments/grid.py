@@ -62,7 +62,7 @@ FEDERATED_ONLY = frozenset({
     "learning-rate", "proximal-mu", "fedrep-head-epochs", "fedbabu-finetune-epochs",
     "fedbabu-finetune-parts", "ditto-lambda", "ditto-personal-epochs", "evaluate-every",
     "evaluate-fraction", "min-train-replies", "max-failed-rounds", "round-timeout",
-    "evaluate-before-aggregation", "keep-client-state",
+    "evaluate-before-aggregation", "evaluate-global-model", "keep-client-state",
 })
 
 # Run-name prefixes of numeric axes.
