@@ -370,6 +370,28 @@ def test_delta_chart_draws_only_the_alphas_that_have_a_delta(grid_dir, monkeypat
     assert len(s2.patches) == 0 and s2.get_legend() is None
 
 
+def test_the_curves_add_the_global_model_where_a_run_recorded_it(tmp_path, monkeypatch):
+    grid = tmp_path / "grid"
+    cells = [
+        write_run(grid, "ditto", setting="S", method="ditto", final=0.5, curve=(0.4, 0.5),
+                  series={"global-accuracy": (0.2, 0.3)}),
+        write_run(grid, "ditto+fedspc", setting="S", method="ditto", fedspc=True, final=0.45,
+                  curve=(0.4, 0.45), series={"global-accuracy": (0.25, None)}),
+        write_run(grid, "fedrep", setting="S", final=0.5, curve=(0.4, 0.5)),
+    ]
+    (grid / layout.GRID_JSON).write_text(json.dumps({"name": "grid", "cells": cells}))
+    drawn = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: drawn.append(fig) or path)
+    plots.plot_curves(load_records(grid), "S", 0.1, "curves.png")
+    ditto, fedrep = drawn[0].axes
+    lines = {line.get_label(): line for line in ditto.get_lines()}
+    assert set(lines) == {"Base", "+FedSPC", "Base, global model", "+FedSPC, global model"}
+    assert list(lines["Base, global model"].get_ydata()) == pytest.approx([20.0, 30.0])
+    assert list(lines["+FedSPC, global model"].get_xdata()) == [1]  # round 2 not recorded
+    assert lines["Base, global model"].get_linestyle() == ":"
+    assert [line.get_label() for line in fedrep.get_lines()] == ["Base"]
+
+
 def test_a_report_of_two_grids_puts_standard_fl_beside_pfl(tmp_path, capsys):
     fl, pfl = tmp_path / "fl", tmp_path / "pfl"
     write_run(fl, "fedavg", setting="ignored", method="fedavg", final=0.2, curve=(0.2,))

@@ -20,6 +20,7 @@ from fedspc_app.experiments.layout import slug
 from fedspc_app.experiments.records import (
     CENTRALIZED,
     FEDERATED,
+    GLOBAL_ACCURACY,
     ResultRecord,
     alpha_text,
     alphas_of,
@@ -51,7 +52,8 @@ def plot_curves(records: Sequence[ResultRecord], setting: str, alpha: float,
     """Accuracy per round for each method of one (setting, α), base and +FedSPC.
 
     One panel per method; the lines are means over seeds (shaded ± std). The
-    centralized reference of the setting, when there is one, is a dashed line.
+    centralized reference of the setting, when there is one, is a dashed line;
+    runs with ``evaluate-global-model`` add their global model's accuracy, dotted.
     Returns None when no cell of that (setting, α) has recorded a round.
     """
     from matplotlib.figure import Figure
@@ -69,8 +71,8 @@ def plot_curves(records: Sequence[ResultRecord], setting: str, alpha: float,
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     for ax, method in zip(axes, methods):
         for fedspc, colour, label in ((False, "C0", "Base"), (True, "C1", "+FedSPC")):
-            steps, mean, std = mean_curve(r for r in chosen
-                                          if r.method == method and r.fedspc == fedspc)
+            runs = [r for r in chosen if r.method == method and r.fedspc == fedspc]
+            steps, mean, std = mean_curve(runs)
             if not steps:
                 continue
             ax.plot(steps, mean, color=colour, label=label, marker="." if len(steps) < 30
@@ -78,6 +80,10 @@ def plot_curves(records: Sequence[ResultRecord], setting: str, alpha: float,
             if any(std):
                 ax.fill_between(steps, [m - s for m, s in zip(mean, std)],
                                 [m + s for m, s in zip(mean, std)], color=colour, alpha=0.2)
+            steps, mean, _ = mean_curve(runs, series=GLOBAL_ACCURACY)
+            if steps:
+                ax.plot(steps, [100.0 * m for m in mean], color=colour, linestyle=":",
+                        label=f"{label}, global model")
         if reference.mean is not None:
             ax.axhline(reference.mean, color="0.4", linestyle="--", linewidth=1,
                        label="Centralized")

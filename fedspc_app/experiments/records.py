@@ -24,7 +24,9 @@ from fedspc_app.experiments.layout import GRID_JSON, read_failures, read_json
 MISSING = "—"
 # Per-round metrics a record keeps besides accuracy (the drift figure's and table's).
 BEFORE_AGGREGATION = "accuracy-before-aggregation"
-SERIES = (*DRIFT_COLUMNS, "global-reference-norm", "train-loss", BEFORE_AGGREGATION)
+GLOBAL_ACCURACY = "global-accuracy"  # a personal-model method's global model (evaluate-global-model)
+SERIES = (*DRIFT_COLUMNS, "global-reference-norm", "train-loss", BEFORE_AGGREGATION,
+          GLOBAL_ACCURACY)
 METHOD_NAMES = {
     "fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD", "ditto": "Ditto",
     "fedbabu": "FedBABU", "fedrep": "FedRep", "lgfedavg": "LG-FedAvg", "fedper": "FedPer",
