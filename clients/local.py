@@ -268,13 +268,13 @@ def evaluate_client(
     """
     device = data.device
     if method.personal_model:
+        model = model.to(device)
         global_correct = global_examples = None
         if config.evaluate_global_model:
             load_arrays(model, received)
-            global_correct, global_examples, _ = _evaluate(config, model.to(device), data)
+            global_correct, global_examples, _ = _evaluate(config, model, data)
         load_arrays(model, state.personal_model or received)
-        correct, examples, loss_sum = _evaluate(config, model.to(device), data)
-        return EvaluateOutcome(correct, examples, loss_sum, global_correct, global_examples)
+        return EvaluateOutcome(*_evaluate(config, model, data), global_correct, global_examples)
     model = assemble(model, split, received, state).to(device)
     if method.finetune_before_eval and config.fedbabu_finetune_epochs > 0:
         block = "all" if config.fedbabu_finetune_parts == "all" else "head"
