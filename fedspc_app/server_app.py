@@ -13,7 +13,7 @@ import secrets
 import shutil
 import time
 from dataclasses import dataclass
-from logging import ERROR, INFO
+from logging import ERROR, INFO, WARNING
 from typing import Any
 
 from flwr.app import ConfigRecord, Context, MetricRecord
@@ -30,6 +30,7 @@ from fedspc_app.core.files import folder_lock
 from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.partition import save_partition
 from fedspc_app.core.pause import RunPaused, clear_pause
+from fedspc_app.core.precision import emulation_warning, precision_report
 from fedspc_app.core.results import RunRecorder, TrafficGrid, read_summary
 from fedspc_app.core.task import (
     DatasetShape,
@@ -37,6 +38,7 @@ from fedspc_app.core.task import (
     load_partition,
     make_model,
     parameter_split,
+    resolve_device,
     state_arrays,
     to_record,
 )
@@ -159,6 +161,7 @@ def train(grid: Grid, checked: CheckedRun) -> None:
     except (FedSPCError, ValueError) as error:
         log(ERROR, "Run not started: %s", error)
         raise SystemExit(f"fedspc: {error}") from None
+    precision = run_precision(config, deployment)
     recorder.start(extra={
         "method": method.summary,
         "num-clients": num_clients,
@@ -170,11 +173,13 @@ def train(grid: Grid, checked: CheckedRun) -> None:
         "shared-keys": list(split.shared),
         "personal-keys": list(split.personal),
         "resumed-after-round": resumed.round if resumed else 0,
+        "precision": precision,
     }, rounds=resumed.rounds if resumed else None,
         elapsed=resumed.elapsed_seconds if resumed else 0.0)
     save_partition(checked.partition, recorder.run_dir)
-    log(INFO, "%s | %s on %s, %d clients, alpha=%g, %d rounds", config.label,
-        config.model, config.dataset, num_clients, config.alpha, config.num_rounds)
+    log(INFO, "%s | %s on %s, %d clients, alpha=%g, %d rounds, %s", config.label,
+        config.model, config.dataset, num_clients, config.alpha, config.num_rounds,
+        describe_precision(precision, config.channels_last))
 
     records = RoundRecords(config, strategy, recorder, identity, resumed)
     if not strategy.run_token:  # a new run (a resumed one keeps its checkpoint's)
@@ -217,6 +222,29 @@ def train(grid: Grid, checked: CheckedRun) -> None:
     recorder.finish(can_extend=config.checkpoint and not remove)
     if remove:
         shutil.rmtree(recorder.run_dir / SIMULATION_FOLDER, ignore_errors=True)
+
+
+def run_precision(config: RunConfig, deployment: bool) -> dict[str, Any]:
+    """The run's precision as config.json records it, with one warning for bf16 on a
+    device that emulates it. The clients of a simulation share the server's machine;
+    in a deployment each SuperNode resolves ``auto`` for its own device."""
+    if deployment:
+        return {"setting": config.precision,
+                "resolved": config.precision if config.precision != "auto"
+                else "per SuperNode (bf16 where its device has native bfloat16)"}
+    device = resolve_device(config)
+    warning = emulation_warning(config.precision, device)
+    if warning:
+        log(WARNING, "%s", warning)
+    return precision_report(config.precision, device)
+
+
+def describe_precision(precision: dict[str, Any], channels_last: bool) -> str:
+    """``bf16 (auto) + channels-last`` for the progress header."""
+    text = precision["resolved"]
+    if precision["setting"] == "auto":
+        text = f"{text} (auto)" if text in ("fp32", "bf16") else f"precision {text}"
+    return text + (" + channels-last" if channels_last else "")
 
 
 def check_saved_client_state(checked: CheckedRun, strategy_state: dict) -> None:

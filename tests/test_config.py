@@ -185,7 +185,7 @@ CHOICES = {
     "aggregation": ["mean", "weighted"],
     "augment": ["auto", "none", "crop-flip"],
     "device": ["auto", "cpu", "cuda"],
-    "precision": ["fp32", "bf16"],
+    "precision": ["auto", "fp32", "bf16"],
     "fedspc-upload": ["derived", "explicit"],
     "fedbabu-finetune-parts": ["all", "head"],
 }

@@ -58,8 +58,11 @@ def test_fedavg_on_digits_writes_metrics(superlink, tmp_path):
     assert len(partition["train_counts"]) == 10
     config = json.loads((run_dir / "config.json").read_text())
     assert config["run-config"]["method"] == "fedavg"
+    assert {k: config["precision"][k] for k in ("setting", "resolved", "device")} == {
+        "setting": "fp32", "resolved": "fp32", "device": "cpu"}
     # One progress line per round in the streamed log.
     text = log.read_text()
+    assert "10 clients, alpha=0.1, 3 rounds, fp32" in text
     assert all(f"round {r}/3" in text for r in (1, 2, 3))
 
 

@@ -426,6 +426,16 @@ def test_a_checkpoint_of_another_config_is_refused(tmp, change, clients, message
     assert json.loads((tmp / "run" / CHECKPOINT_JSON).read_text())["round"] == 1  # kept
 
 
+def test_a_checkpoint_from_before_a_key_existed_resumes_when_the_key_has_its_default(tmp):
+    run(tmp, checkpoint=True, keep_client_state=True, num_rounds=1)
+    path = tmp / "run" / CHECKPOINT_JSON
+    payload = json.loads(path.read_text())
+    del payload["run"]["model-width"]  # as written before the key was added
+    path.write_text(json.dumps(payload))
+    _, rounds, error = run(tmp, checkpoint=True, resume=True, num_rounds=2)
+    assert error is None and [r["round"] for r in rounds] == [1, 2]
+
+
 def test_a_run_whose_folder_is_in_use_stops_before_writing(tmp):
     run_config = {**BASE, "checkpoint": True, "output-dir": str(tmp), "run-name": "run"}
     with folder_lock(tmp / "run", "run 'run' (elsewhere)"), \

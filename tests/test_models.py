@@ -334,3 +334,67 @@ def test_initial_model_is_reset_to_a_fresh_build_after_any_use() -> None:
     other = initial_model(parse_run_config({"model": "cnn", "seed": 5}), shape)
     first = next(iter(fresh))
     assert not torch.equal(other.state_dict()[first], fresh[first])  # another seed: rebuilt
+
+
+# ------------------------------------------------------------------ model-width
+WIDTH_CASES = {"resnet34": [64, 128, 256, 512], "vgg11": [64, 128, 256, 256, 512, 512, 512, 512]}
+
+
+def _conv_widths(name: str, model: nn.Module) -> list[int]:
+    if name == "vgg11":
+        return [m.out_channels for m in model.features if isinstance(m, nn.Conv2d)]
+    return [model.conv1.out_channels] + [getattr(model, f"layer{i}")[0].conv1.out_channels
+                                         for i in range(2, 5)]
+
+
+@pytest.mark.parametrize("name", sorted(WIDTH_CASES))
+def test_model_width_scales_every_layer_and_keeps_depth_keys_and_split(name: str) -> None:
+    full, narrow = _build(name, seed=0), _build(name, seed=0, width=0.25)
+    assert _conv_widths(name, full) == WIDTH_CASES[name]
+    assert _conv_widths(name, narrow) == [c // 4 for c in WIDTH_CASES[name]]
+    # Same layers under the same names (depth, BatchNorm, residual projections), each
+    # holding a quarter of the channels; the same head, on a quarter-wide feature.
+    full_state, narrow_state = full.state_dict(), narrow.state_dict()
+    assert list(narrow_state) == list(full_state)
+    assert split_body_head(narrow) == split_body_head(full)
+    for key, value in narrow_state.items():
+        if value.dim() == 4:
+            assert value.shape[0] * 4 == full_state[key].shape[0], key
+    head = narrow.get_classifier()
+    assert (head.in_features, head.out_features) == (WIDTH_CASES[name][-1] // 4, NUM_CLASSES)
+    assert _logits(narrow, torch.randn(2, 3, 32, 32)).shape == (2, NUM_CLASSES)
+    assert sum(p.numel() for p in narrow.parameters()) < sum(
+        p.numel() for p in full.parameters()) / 10
+
+
+def test_narrow_resnet34_first_block_takes_the_narrow_stem_without_a_projection() -> None:
+    model = _build("resnet34", seed=0, width=0.125)
+    first = model.layer1[0]
+    assert model.conv1.out_channels == model.bn1.num_features == 8
+    assert first.conv1.in_channels == 8 and first.downsample is None
+    assert model.feature_info[0]["num_chs"] == 8
+    # The same seed builds the same narrow model.
+    again = _build("resnet34", seed=0, width=0.125)
+    for a, b in zip(model.state_dict().values(), again.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"model-width": 0}, "'model-width' must be > 0"),
+    ({"model-width": -0.5, "model": "resnet34"}, "'model-width' must be > 0"),
+    ({"model-width": 0.5}, "applies to resnet34 and vgg11 only; model 'cnn'"),
+    ({"model-width": 0.5, "model": "vit"}, "model 'vit' has no width"),
+    ({"model-width": 0.005, "model": "resnet34"}, "narrowest layer .* with no channels"),
+    ({"model-width": 0.007, "model": "vgg11"}, "with no channels"),
+])
+def test_a_model_width_that_cannot_apply_is_one_error_before_anything_starts(
+        settings: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_run_config(settings)
+
+
+def test_build_model_refuses_a_width_for_a_model_without_one() -> None:
+    with pytest.raises(ConfigError, match="not a width of model 'cnn'"):
+        build_model("cnn", num_classes=10, width=0.5)
+    with pytest.raises(ConfigError, match="no channels"):
+        build_model("vgg11", num_classes=10, width=0.001)

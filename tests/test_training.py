@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
 
+from fedspc_app.core import precision as precision_module
 from fedspc_app.core.errors import DivergenceError
 from fedspc_app.core.models import build_model
 from fedspc_app.core.training import evaluate_model, train_epochs
@@ -88,3 +91,48 @@ def test_an_unknown_precision_is_refused():
     with pytest.raises(ValueError, match="precision"):
         train(model(), precision="fp16")
 
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_precision_is_bf16_only_where_the_device_has_it_natively(monkeypatch, native):
+    monkeypatch.setattr(precision_module, "native_bf16", lambda device: native)
+    expected = train(model(), precision="bf16" if native else "fp32")
+    assert train(model(), precision="auto").loss_sum == expected.loss_sum
+    net = model()
+    assert evaluate_model(net, batches()(), precision="auto") == evaluate_model(
+        net, batches()(), precision="bf16" if native else "fp32")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_run_records_the_resolved_precision_and_warns_once_for_emulated_bf16(
+        monkeypatch, native):
+    from fedspc_app import server_app
+    from fedspc_app.core.config import parse_run_config
+
+    monkeypatch.setattr(precision_module, "native_bf16", lambda device: native)
+    logged = []
+    monkeypatch.setattr(server_app, "log", lambda level, *args: logged.append((level, args)))
+    auto = server_app.run_precision(parse_run_config({"precision": "auto", "device": "cpu"}),
+                                    deployment=False)
+    assert auto == {"setting": "auto", "resolved": "bf16" if native else "fp32",
+                    "device": "cpu", "native-bf16": native}
+    assert not logged
+    forced = server_app.run_precision(parse_run_config({"precision": "bf16", "device": "cpu"}),
+                                      deployment=False)
+    assert forced["resolved"] == "bf16"
+    warnings = [args for level, args in logged if level == logging.WARNING]
+    assert len(warnings) == (0 if native else 1)
+    if warnings:
+        assert "is emulated there and slower than fp32" in warnings[0][1]
+    assert server_app.describe_precision(auto, channels_last=True) == (
+        f"{'bf16' if native else 'fp32'} (auto) + channels-last")
+
+
+def test_each_supernode_resolves_auto_for_its_own_device():
+    from fedspc_app import server_app
+    from fedspc_app.core.config import parse_run_config
+
+    report = server_app.run_precision(parse_run_config({"precision": "auto"}), deployment=True)
+    assert report["setting"] == "auto" and report["resolved"].startswith("per SuperNode")
+    assert server_app.run_precision(parse_run_config({"precision": "bf16"}),
+                                    deployment=True)["resolved"] == "bf16"

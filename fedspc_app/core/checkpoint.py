@@ -117,10 +117,12 @@ def read_checkpoint(run_dir: Path, identity: dict[str, Any]) -> Checkpoint | Non
             arrays = {name: data[name] for name in data.files}
     except (OSError, ValueError, KeyError) as error:
         raise ConfigError(f"cannot resume from {path}: {error}") from error
+    # A key added to the run-config after the checkpoint was written had its default.
+    saved = {**RunConfig().to_dict(), **payload["run"]}
     differing = sorted(key for key in set(identity) | set(payload["run"])
-                       if payload["run"].get(key) != identity.get(key))
+                       if saved.get(key) != identity.get(key))
     if differing:
-        details = ", ".join(f"{key}: checkpoint {payload['run'].get(key)!r}, "
+        details = ", ".join(f"{key}: checkpoint {saved.get(key)!r}, "
                             f"run-config {identity.get(key)!r}" for key in differing[:6])
         raise ConfigError(f"the checkpoint in {run_dir} belongs to another run ({details}); "
                           "resume with the same settings, or pick another run-name")

@@ -21,9 +21,13 @@ from fedspc_app.core.errors import ConfigError
 
 DATASETS = ("digits", "cifar10", "cifar100", "tinyimagenet")
 MODELS = ("cnn", "cnn-bn", "resnet34", "vgg11", "vit")
+# Models whose channel widths scale with run-config 'model-width', and the channels of
+# their narrowest layer at width 1.0 (ResNet-34's stem and first stage, VGG-11's first
+# convolution).
+WIDTH_MODELS = {"resnet34": 64, "vgg11": 64}
 AGGREGATIONS = ("mean", "weighted")
 AUGMENTS = ("auto", "none", "crop-flip")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 REFERENCE_UPLOADS = ("derived", "explicit")
 FINETUNE_PARTS = ("all", "head")
@@ -59,6 +63,7 @@ class RunConfig:
     data_dir: str = ""
     download: bool = True
     model: str = "cnn"
+    model_width: float = 1.0
     vit_embed_dim: int = 768
     method: str = "fedavg"
     fedspc: bool = False
@@ -238,6 +243,7 @@ def validate(config: RunConfig) -> RunConfig:
     _at_least("ditto-lambda", config.ditto_lambda, 0.0)
     _at_least("ditto-personal-epochs", config.ditto_personal_epochs, 1)
     _at_least("vit-embed-dim", config.vit_embed_dim, 12)
+    _check_width(config.model, config.model_width)
     _at_least("max-failed-rounds", config.max_failed_rounds, 1)
     _at_least("round-timeout", config.round_timeout, 0.0, strict=True)
     _at_least("node-wait", config.node_wait, 0.0)
@@ -270,6 +276,21 @@ def validate(config: RunConfig) -> RunConfig:
     if not config.output_dir:
         raise ConfigError("run-config 'output-dir' must not be empty")
     return config
+
+
+def _check_width(model: str, width: float) -> None:
+    _at_least("model-width", width, 0.0, strict=True)
+    if width == 1.0:
+        return
+    if model not in WIDTH_MODELS:
+        raise ConfigError(
+            f"run-config 'model-width' = {width:g} applies to {' and '.join(WIDTH_MODELS)} "
+            f"only; model {model!r} has no width to scale (leave model-width = 1.0)")
+    if round(WIDTH_MODELS[model] * width) < 1:
+        raise ConfigError(
+            f"run-config 'model-width' = {width:g} leaves {model}'s narrowest layer "
+            f"({WIDTH_MODELS[model]} channels at width 1.0) with no channels; it must be "
+            f"above {0.5 / WIDTH_MODELS[model]:g}")
 
 
 def parse_run_config(run_config: Mapping[str, Any]) -> RunConfig:

@@ -18,13 +18,15 @@ The models:
 ``resnet34``
     timm's ResNet-34 with a CIFAR stem: the 7x7 stride-2 convolution becomes a 3x3 stride-1
     one and the stem max-pool is removed, so a 32x32 image is not shrunk to 1x1 by the last
-    stage. The classifier is ``fc``.
+    stage. The classifier is ``fc``. ``width`` (run-config ``model-width``) scales every
+    stage's channels and the stem's, keeping the depth, the residuals and BatchNorm.
 ``vgg11``
     A CIFAR-style VGG-11 with BatchNorm: the VGG-11 convolutional feature extractor, global
     average pooling to a 512-d feature and one ``Linear(512, num_classes)`` classifier
     ``head``. timm's ``VGG`` always builds its 4096-wide ``ConvMlp`` pre-logits (about 120 M
     parameters, over a second to initialise) before it could be swapped out, so the network
     is written here with the same layer layout (``features.<i>``) and initialisation.
+    ``width`` scales every convolution's channels.
 ``vit``
     timm's ``VisionTransformer`` with patch size 4, 12 blocks and 12 heads, as in the paper;
     the classifier is ``head`` on the class token.
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedspc_app.core.config import MODELS
+from fedspc_app.core.config import MODELS, WIDTH_MODELS
 from fedspc_app.core.errors import ConfigError
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
 MODEL_NAMES: tuple[str, ...] = MODELS  # one list, in the run-config module
 
 VGG11_CFG: tuple[int | str, ...] = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
+RESNET_CHANNELS = (64, 128, 256, 512)
 
 VIT_PATCH_SIZE = 4
 VIT_DEPTH = 12
@@ -131,6 +134,8 @@ class CifarVGG11(nn.Module):
         Number of output classes.
     in_chans : int
         Number of input channels.
+    width : float
+        Factor on every convolution's channels (default: 1.0, the standard VGG-11).
 
     Notes
     -----
@@ -139,7 +144,7 @@ class CifarVGG11(nn.Module):
     feature; at 32x32 the feature map is already 1x1, at 64x64 it is 2x2.
     """
 
-    def __init__(self, num_classes: int, in_chans: int = 3) -> None:
+    def __init__(self, num_classes: int, in_chans: int = 3, width: float = 1.0) -> None:
         super().__init__()
         self.num_classes = num_classes
         self.in_chans = in_chans
@@ -150,6 +155,7 @@ class CifarVGG11(nn.Module):
                 layers.append(nn.MaxPool2d(kernel_size=2, stride=2))
             else:
                 assert isinstance(v, int)
+                v = scale_channels("vgg11", (v,), width)[0]
                 layers += [
                     nn.Conv2d(prev, v, kernel_size=3, padding=1),
                     nn.BatchNorm2d(v),
@@ -181,11 +187,11 @@ class CifarVGG11(nn.Module):
         return self.head
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Convolutional feature map, shape ``[B, 512, H/32, W/32]``."""
+        """Convolutional feature map, shape ``[B, 512 * width, H/32, W/32]``."""
         return self.features(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Pool the feature map and return logits, or the 512-d feature if ``pre_logits``."""
+        """Pool the feature map and return logits, or the pooled feature if ``pre_logits``."""
         x = torch.flatten(self.global_pool(x), 1)
         return x if pre_logits else self.head(x)
 
@@ -199,25 +205,47 @@ def _cnn_feature_side(image_size: int) -> int:
     return (side - 4) // 2
 
 
-def _build_cnn(num_classes: int, in_chans: int, image_size: int, vit_embed_dim: int) -> nn.Module:
+def scale_channels(model: str, channels: tuple[int, ...], width: float) -> tuple[int, ...]:
+    """``channels`` times ``width``, rounded; ConfigError if a layer would have none."""
+    scaled = tuple(round(c * width) for c in channels)
+    if min(scaled) < 1:
+        raise ConfigError(
+            f"model-width {width:g} leaves a layer of {model} with no channels "
+            f"({channels} become {scaled})")
+    return scaled
+
+
+def _build_cnn(num_classes: int, in_chans: int, image_size: int, **_: Any) -> nn.Module:
     return FedAvgCNN(num_classes=num_classes, in_chans=in_chans, image_size=image_size)
 
 
-def _build_cnn_bn(num_classes: int, in_chans: int, image_size: int,
-                  vit_embed_dim: int) -> nn.Module:
+def _build_cnn_bn(num_classes: int, in_chans: int, image_size: int, **_: Any) -> nn.Module:
     return FedAvgCNN(num_classes=num_classes, in_chans=in_chans, image_size=image_size,
                      batch_norm=True)
 
 
-def _build_resnet34(
-    num_classes: int, in_chans: int, image_size: int, vit_embed_dim: int
-) -> nn.Module:
+def _build_resnet34(num_classes: int, in_chans: int, image_size: int, *, width: float = 1.0,
+                    **_: Any) -> nn.Module:
     import timm  # imported when needed: it takes about 1.5 s (torchvision, dynamo)
 
+    channels = scale_channels("resnet34", RESNET_CHANNELS, width)
     model = timm.create_model(
-        "resnet34", pretrained=False, num_classes=num_classes, in_chans=in_chans
+        "resnet34", pretrained=False, num_classes=num_classes, in_chans=in_chans,
+        channels=channels,
     )
     stem_out = model.conv1.out_channels
+    if width != 1.0:
+        # timm's plain stem is always 64 wide: narrow it with the stages, and give the
+        # first block the input timm would have built for a stem of that width (a 3x3
+        # convolution from the stem, no projection shortcut).
+        stem_out = channels[0]
+        model.bn1 = nn.BatchNorm2d(stem_out)
+        first = model.layer1[0]
+        first.conv1 = nn.Conv2d(stem_out, channels[0], kernel_size=3, stride=1, padding=1,
+                                bias=False)
+        nn.init.kaiming_normal_(first.conv1.weight, mode="fan_out", nonlinearity="relu")
+        first.downsample = None
+        model.feature_info[0]["num_chs"] = stem_out
     model.conv1 = nn.Conv2d(in_chans, stem_out, kernel_size=3, stride=1, padding=1, bias=False)
     nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
     model.maxpool = nn.Identity()
@@ -227,15 +255,17 @@ def _build_resnet34(
     return model
 
 
-def _build_vgg11(num_classes: int, in_chans: int, image_size: int, vit_embed_dim: int) -> nn.Module:
+def _build_vgg11(num_classes: int, in_chans: int, image_size: int, *, width: float = 1.0,
+                 **_: Any) -> nn.Module:
     if image_size < 32:
         raise ConfigError(
             f"model 'vgg11' needs image_size >= 32 (five 2x2 max-pools), got {image_size}"
         )
-    return CifarVGG11(num_classes=num_classes, in_chans=in_chans)
+    return CifarVGG11(num_classes=num_classes, in_chans=in_chans, width=width)
 
 
-def _build_vit(num_classes: int, in_chans: int, image_size: int, vit_embed_dim: int) -> nn.Module:
+def _build_vit(num_classes: int, in_chans: int, image_size: int, *, vit_embed_dim: int = 768,
+               **_: Any) -> nn.Module:
     if not _is_positive_int(vit_embed_dim) or vit_embed_dim % VIT_NUM_HEADS != 0:
         raise ConfigError(
             f"vit_embed_dim must be a positive multiple of {VIT_NUM_HEADS} (the number of "
@@ -259,7 +289,7 @@ def _build_vit(num_classes: int, in_chans: int, image_size: int, vit_embed_dim: 
     )
 
 
-_BUILDERS: dict[str, Callable[[int, int, int, int], nn.Module]] = {
+_BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "cnn": _build_cnn,
     "cnn-bn": _build_cnn_bn,
     "resnet34": _build_resnet34,
@@ -280,14 +310,16 @@ def build_model(
     image_size: int = 32,
     seed: int | None = None,
     vit_embed_dim: int = 768,
+    width: float = 1.0,
 ) -> nn.Module:
     """A freshly initialised (never pretrained) CPU model in training mode whose
     ``model(x)`` returns logits and whose ``get_classifier()`` is its final layer.
 
     With ``seed`` the initial weights are a function of it alone (every client of a
     run starts from the same model) and the global torch RNG is left as it was.
-    ``vit_embed_dim`` (a multiple of the 12 heads) is used by ``vit`` only. Raises
-    ConfigError for an unknown name or an impossible option.
+    ``vit_embed_dim`` (a multiple of the 12 heads) is used by ``vit`` only; ``width``
+    scales the channels of ``resnet34`` and ``vgg11`` and must be 1.0 for the others.
+    Raises ConfigError for an unknown name or an impossible option.
     """
     if name not in _BUILDERS:
         raise ConfigError(
@@ -302,15 +334,19 @@ def build_model(
             raise ConfigError(f"{option} must be a positive integer, got {value!r}")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise ConfigError(f"seed must be an integer or None, got {seed!r}")
+    if not width > 0 or (width != 1.0 and name not in WIDTH_MODELS):
+        raise ConfigError(f"width {width!r} is not a width of model {name!r} (a positive "
+                          f"factor, for {' and '.join(WIDTH_MODELS)} only)")
 
     builder = _BUILDERS[name]
+    options = dict(vit_embed_dim=vit_embed_dim, width=width)
     if seed is None:
-        return builder(num_classes, in_chans, image_size, vit_embed_dim)
+        return builder(num_classes, in_chans, image_size, **options)
     # Models are built on the CPU, so forking and seeding only the CPU generator makes the
     # weights reproducible without touching any CUDA generator or the caller's RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
-        return builder(num_classes, in_chans, image_size, vit_embed_dim)
+        return builder(num_classes, in_chans, image_size, **options)
 
 
 def split_body_head(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:

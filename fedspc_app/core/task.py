@@ -211,6 +211,7 @@ def make_model(config: RunConfig, dataset: ImageDataset | DatasetShape) -> nn.Mo
         image_size=dataset.image_size,
         seed=config.seed,
         vit_embed_dim=config.vit_embed_dim,
+        width=config.model_width,
     )
 
 
@@ -236,7 +237,7 @@ def initial_model(config: RunConfig, dataset: ImageDataset | DatasetShape) -> nn
     two at once.
     """
     key = (config.model, dataset.num_classes, dataset.in_chans, dataset.image_size,
-           config.seed, config.vit_embed_dim)
+           config.seed, config.vit_embed_dim, config.model_width)
     cache = _INITIAL
     if cache.key != key or cache.model is None or cache.initial is None:
         cache.key, cache.model = None, None  # a failed build leaves no stale model

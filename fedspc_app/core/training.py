@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedspc_app.core.config import PRECISIONS
 from fedspc_app.core.errors import DivergenceError
+from fedspc_app.core.precision import resolve_precision
 
 Batches = Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]]
 """A callable returning a fresh iterator over one epoch of (images, labels)."""
@@ -119,8 +119,9 @@ def train_epochs(
     both are checked after every epoch, so that the device is not waited on at every
     step; a non-finite gradient shows up as one of the two. ``precision`` ``bf16``
     runs the forward pass and the loss under bfloat16 autocast (the parameters, their
-    gradients and the optimizer stay float32); ``channels_last`` stores the model's
-    and the images' 4-d tensors channels-last (faster convolutions on GPUs).
+    gradients and the optimizer stay float32), ``auto`` does so where the device
+    computes bfloat16 natively; ``channels_last`` stores the model's and the images'
+    4-d tensors channels-last (faster convolutions on GPUs and, with bf16, on CPUs).
     """
     named = dict(model.named_parameters())
     trainable = set(trainable)
@@ -180,11 +181,10 @@ def _check_finite(named: Mapping[str, nn.Parameter], keys: Iterable[str], when: 
 
 
 def autocast(device: torch.device, precision: str):
-    """bfloat16 autocast for ``precision = bf16``; a no-op for ``fp32``."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    """bfloat16 autocast for ``precision = bf16`` (and ``auto`` where the device has
+    native bfloat16, :mod:`fedspc_app.core.precision`); a no-op for ``fp32``."""
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16,
-                          enabled=precision == "bf16")
+                          enabled=resolve_precision(precision, device) == "bf16")
 
 
 def _memory_format(model: nn.Module, channels_last: bool) -> torch.memory_format | None:

@@ -69,7 +69,8 @@ FEDERATED_ONLY = frozenset({
 ABBREVIATIONS = {
     "learning-rate": "lr", "local-epochs": "e", "num-rounds": "r", "batch-size": "b",
     "momentum": "m", "weight-decay": "wd", "proximal-mu": "mu", "ditto-lambda": "lam",
-    "fraction-train": "f", "vit-embed-dim": "d", "alpha": "a", "seed": "s",
+    "fraction-train": "f", "vit-embed-dim": "d", "model-width": "w", "alpha": "a",
+    "seed": "s",
 }
 PLAIN_VALUES = ("method", "model", "dataset")
 
