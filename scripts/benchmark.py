@@ -16,6 +16,13 @@ message, building the model, loading data and client state) and work (training,
 evaluation, saving state), and what is left (the engine: Ray, message encoding and
 transfer, scheduling).
 
+With ``--compare`` and ``method = fedavg`` a minimal loop runs first: every client
+trained and evaluated with the project's data, model and training loop
+(:func:`fedspc_app.core.training.train_epochs`) and nothing else, in one process. It is
+the work itself, the baseline both other runs are held against; its metrics equal the
+plain loop's when the two do the same arithmetic. Both loops and the simulation run in
+the run-config's precision and memory layout.
+
 ``--plain-workers N`` adds a third run: the plain loop with its clients in N
 spawned processes of one thread each (what the simulation does with one CPU per
 client, without Flower or Ray). Its row separates the cost of running clients in
@@ -70,6 +77,69 @@ def run_plain(run_config: dict, clients: int, threads: int, workers: int = 1) ->
     return result
 
 
+def run_minimal(run_config: dict, clients: int, threads: int) -> dict:
+    """FedAvg's work and nothing else: each round every client resets the model to
+    the global one, trains it, the server averages (float64, partition order), then
+    every client evaluates the average."""
+    import torch
+
+    from fedspc_app.core.task import (
+        client_data,
+        load_partition,
+        load_run_dataset,
+        make_model,
+        seeded_generator,
+    )
+    from fedspc_app.core.training import evaluate_model, train_epochs
+
+    torch.set_num_threads(threads)
+    _, config = resolve_run_config(run_config)
+    started = time.perf_counter()
+    dataset = load_run_dataset(config)
+    load_partition(config, clients)
+    data = [client_data(config, k, clients) for k in range(clients)]
+    model = make_model(config, dataset).to(data[0].device)
+    trainable = [name for name, _ in model.named_parameters()]
+    options = dict(precision=config.precision, channels_last=config.channels_last)
+    average = {key: value.clone() for key, value in model.state_dict().items()}
+    setup = time.perf_counter() - started
+    rows = []
+    for server_round in range(1, config.num_rounds + 1):
+        round_started = time.perf_counter()
+        total = {key: torch.zeros(v.shape, dtype=torch.float64) for key, v in average.items()}
+        losses, images = [], 0
+        for k in range(clients):
+            model.load_state_dict(average)
+            result = train_epochs(
+                model, data[k].batches("train", seeded_generator(config.seed, server_round, k,
+                                                                 "train")),
+                epochs=config.local_epochs, trainable=trainable,
+                learning_rate=config.learning_rate, momentum=config.momentum,
+                weight_decay=config.weight_decay, **options)
+            losses.append(result.mean_loss)
+            images += result.examples
+            for key, value in model.state_dict().items():
+                total[key] += value.detach().cpu().double() * (1.0 / clients)
+        average = {key: (value.round() if average[key].dtype == torch.int64 else value)
+                   .to(average[key].dtype) for key, value in total.items()}
+        trained = time.perf_counter()
+        model.load_state_dict(average)
+        results = [evaluate_model(model, data[k].batches("test")(), **options)
+                   for k in range(clients)]
+        rows.append({
+            "round": server_round, "train-loss": sum(losses) / len(losses),
+            "train-images": images, "train-seconds": trained - round_started,
+            "accuracy": sum(c / n for c, n, _ in results) / clients,
+            "loss": sum(s for _, _, s in results) / sum(n for _, n, _ in results),
+            "evaluate-seconds": time.perf_counter() - trained,
+            "round-seconds": time.perf_counter() - round_started,
+        })
+        print(f"[minimal loop] round {server_round}/{config.num_rounds}: "
+              f"{rows[-1]['round-seconds']:.2f} s, accuracy {100 * rows[-1]['accuracy']:.2f}%")
+    return {"setup-seconds": setup, "rounds": rows,
+            "total-seconds": time.perf_counter() - started}
+
+
 def parallel_workers(args: argparse.Namespace) -> int:
     """How many clients the simulation runs at once on this machine's CPUs."""
     if args.client_gpus > 0:
@@ -97,6 +167,30 @@ def print_parallel(plain: dict, parallel: dict, flower: list[dict],
     work /= parallel_workers(args)
     print(f"  training phase, steady: the plain loop in {workers} processes {phase:.2f} s; "
           f"the simulation's clients worked {work:.2f} s per worker (x{work / phase:.3f})")
+
+
+def print_against_minimal(minimal: dict, plain: dict, flower: list[dict]) -> None:
+    """Per round: the minimal loop, the plain loop and the simulation, each over the
+    minimal loop."""
+    runs = (minimal["rounds"], plain["rounds"], flower)
+    print(f"\n{'round':>5} {'minimal s':>10} {'plain s':>9} {'flower s':>9} "
+          f"{'plain/min':>10} {'flower/min':>11}   metrics (minimal against plain)")
+    for m, p, f in zip(*runs):
+        same = all(m.get(k) == p.get(k) for k in ("accuracy", "train-loss", "train-images"))
+        print(f"{m['round']:>5} {m['round-seconds']:>10.2f} {p['round-seconds']:>9.2f} "
+              f"{f['round-seconds']:>9.2f} {p['round-seconds'] / m['round-seconds']:>10.3f} "
+              f"{f['round-seconds'] / m['round-seconds']:>11.3f}   "
+              f"{'identical' if same else 'differ'}")
+    steady = [mean(r["round-seconds"] for r in rows[1:] or rows) for rows in runs]
+    firsts = [rows[0]["round-seconds"] - s for rows, s in zip(runs, steady)]
+    print(f"steady: minimal {steady[0]:.2f} s/round, plain x{steady[1] / steady[0]:.3f}, "
+          f"flower x{steady[2] / steady[0]:.3f}; round 1 over steady: minimal "
+          f"{firsts[0]:+.2f} s, plain {firsts[1]:+.2f} s, flower {firsts[2]:+.2f} s")
+    for phase in ("train", "evaluate"):
+        values = [mean(r.get(f"{phase}-seconds", 0.0) for r in rows[1:] or rows)
+                  for rows in runs]
+        print(f"  {phase} phase, steady: minimal {values[0]:.2f} s, plain {values[1]:.2f} s, "
+              f"flower {values[2]:.2f} s")
 
 
 def print_comparison(plain: dict, flower: list[dict], flower_total: float,
@@ -182,8 +276,11 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(tempfile.mkdtemp(prefix="fedspc-bench-"))
     run_config.update({"output-dir": str(out), "run-name": "benchmark"})
-    plain = parallel = None
+    plain = parallel = minimal = None
     if args.compare:
+        if run_config.get("method", "fedavg") == "fedavg":
+            minimal = run_minimal({**run_config, "run-name": "minimal"}, args.clients,
+                                  args.threads)
         plain = run_plain({**run_config, "run-name": "plain"}, args.clients, args.threads)
         if args.plain_workers > 1:
             parallel = run_plain({**run_config, "run-name": "plain-parallel"}, args.clients,
@@ -204,10 +301,13 @@ def main(argv: list[str] | None = None) -> int:
           f"(round time includes evaluation); whole command {total:.1f} s")
     if plain is not None:
         print_comparison(plain, rounds, total, args)
+    if minimal is not None:
+        print_against_minimal(minimal, plain, rounds)
     if parallel is not None:
         print_parallel(plain, parallel, rounds, args)
     if args.json:
         Path(args.json).write_text(json.dumps({"flower": rounds, "plain": plain,
+                                               "minimal": minimal,
                                                "plain-parallel": parallel,
                                                "flower-total-seconds": total}, indent=2))
     return 0

@@ -136,3 +136,33 @@ def test_each_supernode_resolves_auto_for_its_own_device():
     assert report["setting"] == "auto" and report["resolved"].startswith("per SuperNode")
     assert server_app.run_precision(parse_run_config({"precision": "bf16"}),
                                     deployment=True)["resolved"] == "bf16"
+
+
+@pytest.mark.parametrize("momentum, weight_decay", [(0.0, 0.0), (0.9, 0.0), (0.0, 5e-4),
+                                                    (0.9, 5e-4)])
+def test_the_loop_s_sgd_is_torch_s_sgd_bit_for_bit(momentum, weight_decay):
+    net, reference = model(), model()
+    result = train(net, momentum=momentum, weight_decay=weight_decay)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=momentum,
+                                weight_decay=weight_decay)
+    reference.train()
+    total = 0.0
+    for _ in range(2):
+        for images, labels in batches()():
+            loss = nn.functional.cross_entropy(reference(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += loss.item() * labels.shape[0]
+    assert result.loss_sum == total
+    for a, b in zip(net.state_dict().values(), reference.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_a_frozen_parameter_is_left_alone_and_its_momentum_starts_when_it_trains():
+    net = model()
+    head = {k: v.clone() for k, v in net.state_dict().items() if k.startswith("head.")}
+    body = [name for name, _ in net.named_parameters() if not name.startswith("head.")]
+    train_epochs(net, batches(), epochs=1, trainable=body, learning_rate=0.05, momentum=0.9)
+    for key, value in head.items():
+        assert torch.equal(net.state_dict()[key], value)

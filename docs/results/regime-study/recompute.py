@@ -1,0 +1,329 @@
+"""Recompute the regime study's numbers from the committed metrics files.
+
+Run from the repository root (plain Python, numpy only, a second or two):
+
+    python docs/results/regime-study/recompute.py
+
+Every number that README.md (in this folder) quotes in its tables and its
+"Reading" section and that the committed runs can give is recomputed here, grouped
+by the claim it supports, so the text can be held against it:
+
+* Δ = +FedSPC − Base personalized accuracy (points) at the last round, and the
+  rounds where +FedSPC is ahead / behind (all rounds; round 1 is a tie, both
+  sides start from the same model), per pair and per seed; the seed mean (Δ of
+  the seed-mean curves) with the sample SD of the per-seed Δ;
+* the clients +FedSPC puts ahead / behind at the last round (each client against
+  itself on the same seed);
+* Δ by window of rounds (2–10, 11–20, ...), to see whether a lead fades or grows;
+* the rounds (after the first) where the clients' train loss is higher with FedSPC;
+* drift window means (dispersion, cosine, ‖ū‖, ‖mean Δ‖, train loss) and, where
+  recorded, the accuracy before aggregation (the local fit) and the averaging gain;
+* the 50-round and Ditto-global details, SCAFFOLD against FedAvg, and how well a
+  run repeats under the same seed.
+
+A pair is a Base run folder and its +FedSPC twin: ``fedrep`` / ``fedrep+fedspc``,
+``lgfedavg-s1`` / ``lgfedavg+fedspc-s1``, ``ditto-a0.1`` / ``ditto+fedspc-a0.1``.
+Not recomputable: the no-augmentation row (the issue's measurement, no committed
+run).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parents[1]
+SERIES = {"acc": "accuracy", "loss": "train-loss", "disp": "drift-dispersion",
+          "cos": "update-cosine", "ubar": "global-reference-norm", "mean": "update-norm",
+          "before": "accuracy-before-aggregation", "global": "global-accuracy"}
+PERCENT = {"acc", "before", "global"}
+
+# (setting, seed, grid folder, Base run folder); the +FedSPC twin is derived.
+PAIRS = [
+    ("E1", 0, "cpu-cifar100-cnn-mismatch", "fedrep"),
+    ("E1", 0, "cpu-cifar100-cnn-mismatch", "lgfedavg"),
+    ("E1", 0, "cpu-cifar100-cnn", "ditto-a0.1"),
+    ("E1", 1, "cpu-cifar100-cnn-seeds", "fedrep-s1"),
+    ("E1", 2, "cpu-cifar100-cnn-seeds", "fedrep-s2"),
+    ("E1", 1, "cpu-cifar100-cnn-seeds", "lgfedavg-s1"),
+    ("E1", 2, "cpu-cifar100-cnn-seeds", "lgfedavg-s2"),
+    ("a0.01", 0, "cpu-cifar100-cnn", "fedrep-a0.01"),
+    ("a0.01", 0, "cpu-cifar100-cnn-mismatch-a001", "lgfedavg"),
+    ("a0.01", 0, "cpu-cifar100-cnn", "ditto-a0.01"),
+    ("E5", 0, "cpu-cifar100-cnn-e5", "fedrep"),
+    ("E5", 0, "cpu-cifar100-cnn-e5", "lgfedavg"),
+    ("E5", 1, "cpu-cifar100-cnn-e5-seeds", "lgfedavg-s1"),
+    ("E5", 0, "cpu-cifar100-cnn-e5", "ditto"),
+    ("E5-a0.01", 0, "cpu-cifar100-cnn-e5-a001", "lgfedavg"),
+    ("E5-a0.01", 0, "cpu-cifar100-cnn-e5-a001", "ditto"),
+    ("BN", 0, "cpu-cifar100-cnn-bn", "fedrep"),
+    ("BN", 0, "cpu-cifar100-cnn-bn", "lgfedavg"),
+    ("BN", 0, "cpu-cifar100-cnn-bn", "ditto"),
+    ("50r", 0, "cpu-cifar100-cnn-long", "fedrep"),
+    ("50r", 0, "cpu-cifar100-cnn-long", "lgfedavg"),
+    ("50r", 0, "cpu-cifar100-cnn-long", "ditto"),
+    ("ditto-global", 0, "cpu-cifar100-cnn-ditto-global", "ditto"),
+]
+METHODS = ("fedrep", "lgfedavg", "ditto")
+
+
+def twin(base: str) -> str:
+    method, _, rest = base.partition("-")
+    return method + "+fedspc" + ("-" + rest if rest else "")
+
+
+def load(grid: str, name: str) -> dict:
+    """{series: {round: value}} of one run, accuracies in %; "clients": last round."""
+    rounds = json.loads((RESULTS / grid / name / "metrics.json").read_text())["rounds"]
+    run = {key: {r["round"]: r[col] * (100 if key in PERCENT else 1)
+                 for r in rounds if r.get(col) is not None}
+           for key, col in SERIES.items()}
+    run["clients"] = {k: 100 * v for k, v in rounds[-1]["client-accuracy"].items()}
+    return run
+
+
+class Pair:
+    def __init__(self, setting, seed, grid, base, spc=None, method=None):
+        self.setting, self.seed, self.grid = setting, seed, grid
+        self.method = method or base.split("-")[0]
+        self.base, self.spc = load(grid, base), load(grid, spc or twin(base))
+        self.rounds = sorted(set(self.base["acc"]) & set(self.spc["acc"]))
+        self.last = self.rounds[-1]
+
+    def name(self):
+        return f"{self.method} {self.setting} s{self.seed}"
+
+    def diff(self, key="acc"):
+        b, s = self.base[key], self.spc[key]
+        return {r: s[r] - b[r] for r in sorted(set(b) & set(s))}
+
+    def final(self):
+        return self.diff()[self.last]
+
+    def ahead_behind(self, key="acc"):
+        d = self.diff(key).values()
+        return sum(v > 0 for v in d), sum(v < 0 for v in d)
+
+    def clients(self):
+        b, s = self.base["clients"], self.spc["clients"]
+        return sum(s[k] > b[k] for k in b), sum(s[k] < b[k] for k in b)
+
+    def loss_higher(self):
+        d = {r: v for r, v in self.diff("loss").items() if r >= 2}
+        return sum(v > 0 for v in d.values()), sum(v < 0 for v in d.values()), len(d)
+
+
+def wmean(series: dict, lo: int, hi: int):
+    vals = [v for r, v in series.items() if lo <= r <= hi]
+    return float(np.mean(vals)) if vals else float("nan")
+
+
+def windows(last: int):
+    return [(2, 10), (11, 20)] if last == 20 else (
+        [(2, 10), (11, 20), (21, 30), (31, 40), (41, 50)] if last == 50 else [(2, 9), (10, 15)])
+
+
+def rounds_where(d: dict, sign: int) -> str:
+    """Compact list of the rounds where sign(d) == sign, e.g. '3-15, 17'."""
+    rs = [r for r, v in d.items() if np.sign(round(v, 9)) == sign]
+    out, start = [], None
+    for i, r in enumerate(rs):
+        start = r if start is None else start
+        if i + 1 == len(rs) or rs[i + 1] != r + 1:
+            out.append(f"{start}" if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(out) or "none"
+
+
+def f(x, p=2):
+    return f"{x:+.{p}f}"
+
+
+def find(pairs, method, setting, seed=0):
+    return next(p for p in pairs if (p.method, p.setting, p.seed) == (method, setting, seed))
+
+
+def seed_group(pairs, method, setting):
+    group = [p for p in pairs if p.method == method and p.setting == setting]
+    curve = {r: np.mean([p.diff()[r] for p in group]) for r in group[0].rounds}
+    finals = [p.final() for p in group]
+    sd = float(np.std(finals, ddof=1)) if len(finals) > 1 else float("nan")
+    ahead = sum(v > 0 for v in curve.values()), sum(v < 0 for v in curve.values())
+    return group, curve, finals, sd, ahead
+
+
+def header(text):
+    print(f"\n== {text}")
+
+
+def main():
+    pairs = [Pair(*spec) for spec in PAIRS]
+
+    header("Δ table: Δ at the last round (points), rounds ahead / behind, clients ahead / behind")
+    for p in pairs:
+        a, b = p.ahead_behind()
+        ca, cb = p.clients()
+        d = p.diff()
+        win = ", ".join(f"{lo}-{hi} {f(wmean(d, lo, hi))}" for lo, hi in windows(p.last))
+        print(f"{p.name():26s} round {p.last}: {f(p.final())} ({a} / {b}); round 1 {f(d[1])};"
+              f" clients {ca} / {cb}; by window {win}; last 5 {f(wmean(d, p.last - 4, p.last))}")
+
+    header("Seed means (Δ of the seed-mean curves; SD = sample SD of the per-seed Δ)")
+    for method, setting in [("fedrep", "E1"), ("lgfedavg", "E1"), ("lgfedavg", "E5")]:
+        group, curve, finals, sd, (a, b) = seed_group(pairs, method, setting)
+        ca = sum(p.clients()[0] for p in group)
+        cb = sum(p.clients()[1] for p in group)
+        win = ", ".join(f"{lo}-{hi} {f(wmean(curve, lo, hi))}" for lo, hi in windows(20))
+        print(f"{method} {setting}: seeds {[p.seed for p in group]} Δ {[round(x, 2) for x in finals]}"
+              f" mean {f(curve[20])} SD {sd:.2f} range {min(finals):+.2f}..{max(finals):+.2f};"
+              f" seed-mean curve ahead / behind {a} / {b}; clients {ca} / {cb}; by window {win}")
+    e1 = [p.final() for p in pairs if p.setting == "E1" and p.method != "ditto"]
+    print(f"E1 FedRep+LG per-seed Δ spread within a method:"
+          f" FedRep {np.ptp([p.final() for p in pairs if p.setting == 'E1' and p.method == 'fedrep']):.2f},"
+          f" LG {np.ptp([p.final() for p in pairs if p.setting == 'E1' and p.method == 'lgfedavg']):.2f}"
+          f" (all E1 values {sorted(round(x, 2) for x in e1)})")
+
+    header("Factor against the starting point, seed 0: Δ at round 20 (does BatchNorm / E = 5 narrow every gap?)")
+    for method in METHODS:
+        start = find(pairs, method, "E1").final()
+        print(f"{method:9s} E1 {f(start)}  BN {f(find(pairs, method, 'BN').final())}"
+              f"  E5 {f(find(pairs, method, 'E5').final())}")
+
+    header("Lead over the run: Δ by window, per pair (is an early lead that fades the rule?)")
+    for p in pairs:
+        d = p.diff()
+        ws = [wmean(d, lo, hi) for lo, hi in windows(p.last)]
+        a, _ = p.ahead_behind()
+        shape = ("never ahead" if a == 0 else "ahead early, smaller later" if ws[0] > 0 and ws[-1] < ws[0]
+                 else "lead grows" if ws[0] > 0 and ws[-1] >= ws[0] else "behind early")
+        print(f"{p.name():26s} {' '.join(f(w) for w in ws)}  ahead in rounds {rounds_where(d, 1)}  -> {shape}")
+
+    header("Where does it pay? head/body dispersion (Base, +FedSPC, rounds 2-10) against Δ at round 20")
+    for p in sorted(pairs, key=lambda p: (p.method, -wmean(p.base["disp"], 2, 10)
+                                          if p.base["disp"] else 0)):
+        if p.setting in ("ditto-global",):
+            continue
+        db, ds = wmean(p.base["disp"], 2, 10), wmean(p.spc["disp"], 2, 10)
+        print(f"{p.name():26s} dispersion {db:5.2f} -> {ds:5.2f}  Δ@{p.last} {f(p.final())}")
+
+    header("Train loss higher with FedSPC: rounds after the first (higher / lower / of)")
+    tot = [0, 0, 0]
+    for p in pairs:
+        h, lo, n = p.loss_higher()
+        note = "  (Ditto: personal phase's loss)" if p.method == "ditto" else ""
+        print(f"{p.name():26s} {h} / {lo} / {n}  higher in rounds {rounds_where({r: v for r, v in p.diff('loss').items() if r >= 2}, 1)}{note}")
+        if p.method != "ditto" and p.last == 20:
+            tot = [t + x for t, x in zip(tot, (h, lo, n))]
+    n20 = sum(p.method != "ditto" and p.last == 20 for p in pairs)
+    print(f"non-Ditto 20-round pairs ({n20}): higher in {tot[0]} of {tot[2]} rounds, lower in {tot[1]}")
+    lg5 = find(pairs, "lgfedavg", "E5")
+    print(f"LG-FedAvg E5 s0 train loss round 5: {lg5.spc['loss'][5]:.3f} vs {lg5.base['loss'][5]:.3f};"
+          f" round 20: {lg5.spc['loss'][20]:.3f} vs {lg5.base['loss'][20]:.3f}")
+
+    header("Local fit and averaging (runs with accuracy before aggregation; points)")
+    for p in pairs:
+        if not p.base["before"]:
+            continue
+        for lo, hi in windows(p.last):
+            fit = wmean(p.diff("before"), lo, hi)
+            gb = wmean({r: p.base["acc"][r] - v for r, v in p.base["before"].items()}, lo, hi)
+            gs = wmean({r: p.spc["acc"][r] - v for r, v in p.spc["before"].items()}, lo, hi)
+            print(f"{p.name():26s} rounds {lo}-{hi}: before-aggregation Δ {f(fit)};"
+                  f" averaging gain (after - before) Base {f(gb)}, +FedSPC {f(gs)}, extra {f(gs - gb)}")
+
+    header("Drift window means, Base -> +FedSPC (dispersion, cosine, ‖ū‖ +FedSPC, ‖mean Δ‖, train loss)")
+    for p in pairs:
+        if not p.base["disp"] and not p.spc["disp"]:
+            print(f"{p.name():26s} no drift columns (Base has {len(p.base['disp'])} rounds,"
+                  f" +FedSPC {len(p.spc['disp'])})")
+            continue
+        for lo, hi in windows(p.last):
+            m = {k: (wmean(p.base[k], lo, hi), wmean(p.spc[k], lo, hi))
+                 for k in ("disp", "cos", "mean", "loss")}
+            print(f"{p.name():26s} {lo:2d}-{hi:2d}: disp {m['disp'][0]:5.2f} -> {m['disp'][1]:5.2f}"
+                  f"  cos {m['cos'][0]:.2f} -> {m['cos'][1]:.2f}  ‖ū‖ {wmean(p.spc['ubar'], lo, hi):.3f}"
+                  f"  ‖meanΔ‖ {m['mean'][0]:.3f} -> {m['mean'][1]:.3f}"
+                  f"  loss {m['loss'][0]:.3f} -> {m['loss'][1]:.3f}")
+    for setting in ("E5",):
+        g = [p for p in pairs if p.method == "lgfedavg" and p.setting == setting]
+        for key in ("disp", "cos"):
+            for lo, hi in windows(20):
+                b = np.mean([wmean(p.base[key], lo, hi) for p in g])
+                s = np.mean([wmean(p.spc[key], lo, hi) for p in g])
+                print(f"lgfedavg E5 seed mean {key} {lo}-{hi}: {b:.2f} -> {s:.2f}")
+
+    header("Per-round drift quoted in the text")
+    print("lgfedavg E5 s0 ‖ū‖ rounds 3, 20: {:.3f}, {:.3f}; +FedSPC dispersion round 4, 20: {:.2f}, {:.2f};"
+          " Base dispersion range rounds 2-20: {:.2f}-{:.2f}".format(
+              lg5.spc["ubar"][3], lg5.spc["ubar"][20], lg5.spc["disp"][4], lg5.spc["disp"][20],
+              min(v for r, v in lg5.base["disp"].items() if r >= 2),
+              max(v for r, v in lg5.base["disp"].items() if r >= 2)))
+    d5 = find(pairs, "ditto", "E5-a0.01")
+    print("ditto E5-a0.01 ‖ū‖ round 2, 10, 11, 20: " + ", ".join(
+        f"{d5.spc['ubar'][r]:.3f}" for r in (2, 10, 11, 20))
+        + f"; window means 2-10 {wmean(d5.spc['ubar'], 2, 10):.3f}, 11-20 {wmean(d5.spc['ubar'], 11, 20):.3f}")
+    for method in METHODS:
+        p = find(pairs, method, "50r")
+        dd = p.diff("disp")
+        above = rounds_where({r: v for r, v in dd.items() if r >= 2}, 1)
+        ub = [p.spc["ubar"][r] for r in range(21, 51)]
+        print(f"{method} 50r: +FedSPC dispersion above Base in rounds {above};"
+              f" ‖ū‖ rounds 21-50 {min(ub):.3f}-{max(ub):.3f}, rounds 41-50 mean {wmean(p.spc['ubar'], 41, 50):.3f}")
+
+    header("50 rounds, details")
+    dl = find(pairs, "ditto", "50r")
+    d = dl.diff()
+    print(f"ditto: max |Δ| rounds 1-8 {max(abs(d[r]) for r in range(1, 9)):.2f}; behind in rounds "
+          f"{rounds_where(d, -1)}; final {dl.spc['acc'][50]:.2f} vs {dl.base['acc'][50]:.2f};"
+          f" Δ at round 20 {f(d[20])}")
+    lgl = find(pairs, "lgfedavg", "50r")
+    print(f"lgfedavg: best {max(lgl.spc['acc'].values()):.2f} vs {max(lgl.base['acc'].values()):.2f};"
+          f" Δ over rounds 46-50 {f(wmean(lgl.diff(), 46, 50))}")
+
+    header("Ditto's global model (15 rounds): Δ per round, personal / global")
+    dg = find(pairs, "ditto", "ditto-global")
+    dp, gl = dg.diff(), dg.diff("global")
+    print("round " + " ".join(f"{r:6d}" for r in dg.rounds))
+    print("pers. " + " ".join(f"{dp[r]:+6.2f}" for r in dg.rounds))
+    print("global" + " ".join(f"{gl[r]:+6.2f}" for r in dg.rounds))
+    print(f"global ahead in rounds {rounds_where(gl, 1)}; windows 2-9 global {f(wmean(gl, 2, 9))},"
+          f" personal {f(wmean(dp, 2, 9))}; 10-15 global {f(wmean(gl, 10, 15))}, personal {f(wmean(dp, 10, 15))}")
+
+    header("SCAFFOLD against FedAvg (whole model corrected), 20 rounds, seed 0")
+    for a in ("0.01", "0.1", "1"):
+        p = Pair("fl", 0, "cpu-cifar100-cnn-fl", f"fedavg-a{a}", f"scaffold-a{a}", "scaffold")
+        d = p.diff()
+        print(f"α {a}: Δ@20 {f(p.final())} ({'/'.join(map(str, p.ahead_behind()))}); "
+              f"2-10 {f(wmean(d, 2, 10))}, 11-20 {f(wmean(d, 11, 20))}; ahead in rounds {rounds_where(d, 1)}")
+
+    header("The committed CPU grid (pre partition-ordered aggregation): Δ at round 20")
+    below = 0
+    for method in ("fedper", "fedrep", "fedbabu", "lgfedavg", "ditto"):
+        row = []
+        for a in ("0.01", "0.1", "1"):
+            p = Pair("grid", 0, "cpu-cifar100-cnn", f"{method}-a{a}")
+            below += p.final() < 0
+            row.append(f"α {a} {f(p.final())} ({'/'.join(map(str, p.ahead_behind()))})")
+        print(f"{method:9s} " + "; ".join(row))
+    print(f"+FedSPC below its base in {below} of 15 pairs")
+
+    header("Same seed run twice: max |difference| of personalized accuracy over the shared rounds")
+    for a, b, n in [(("cpu-cifar100-cnn-long", "lgfedavg"), ("cpu-cifar100-cnn-mismatch", "lgfedavg"), 20),
+                    (("cpu-cifar100-cnn-long", "lgfedavg+fedspc"), ("cpu-cifar100-cnn-mismatch", "lgfedavg+fedspc"), 20),
+                    (("cpu-cifar100-cnn-long", "fedrep"), ("cpu-cifar100-cnn-mismatch", "fedrep"), 20),
+                    (("cpu-cifar100-cnn-long", "fedrep+fedspc"), ("cpu-cifar100-cnn-mismatch", "fedrep+fedspc"), 20),
+                    (("cpu-cifar100-cnn-mismatch", "fedrep"), ("cpu-cifar100-cnn", "fedrep-a0.1"), 20),
+                    (("cpu-cifar100-cnn-mismatch", "fedrep+fedspc"), ("cpu-cifar100-cnn", "fedrep+fedspc-a0.1"), 20),
+                    (("cpu-cifar100-cnn-mismatch", "lgfedavg"), ("cpu-cifar100-cnn", "lgfedavg-a0.1"), 20),
+                    (("cpu-cifar100-cnn-mismatch", "lgfedavg+fedspc"), ("cpu-cifar100-cnn", "lgfedavg+fedspc-a0.1"), 20),
+                    (("cpu-cifar100-cnn-long", "ditto"), ("cpu-cifar100-cnn", "ditto-a0.1"), 20),
+                    (("cpu-cifar100-cnn-long", "ditto+fedspc"), ("cpu-cifar100-cnn", "ditto+fedspc-a0.1"), 20),
+                    (("cpu-cifar100-cnn-long", "ditto"), ("cpu-cifar100-cnn-ditto-global", "ditto"), 15),
+                    (("cpu-cifar100-cnn-long", "ditto+fedspc"), ("cpu-cifar100-cnn-ditto-global", "ditto+fedspc"), 15)]:
+        x, y = load(*a)["acc"], load(*b)["acc"]
+        print(f"{a[0]}/{a[1]} vs {b[0]}/{b[1]}, rounds 1-{n}: {max(abs(x[r] - y[r]) for r in range(1, n + 1)):.4f}")
+
+
+if __name__ == "__main__":
+    main()
