@@ -640,3 +640,21 @@ def test_the_run_command_exits_3_when_its_grid_paused(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runner, "run_federated_cell", paused)
     assert cli.main(["run", str(path), "--output-dir", str(tmp_path / "o")]) == 3
+
+
+def test_shipped_grids_keep_the_precision_of_their_committed_runs():
+    # A preset may move to a faster precision; a grid with committed runs must still
+    # resolve to the arithmetic those runs used, or rerunning it is another experiment.
+    checked = 0
+    for path in sorted((REPO / "conf/experiments").glob("*.yaml")):
+        grid = load_grid(path, output_dir=str(REPO / "docs/results"))
+        for cell in grid.cells:
+            recorded = cell.run_dir / "config.json"
+            if cell.kind != "federated" or not recorded.is_file():
+                continue
+            run_config = json.loads(recorded.read_text())["run-config"]
+            for key, default in (("precision", "fp32"), ("channels-last", False)):
+                assert cell.run_config[key] == run_config.get(key, default), (path.name,
+                                                                              cell.name, key)
+            checked += 1
+    assert checked >= 40
