@@ -37,6 +37,7 @@ from fedspc_app.core.protocol import (
     PARTITION_QUERY,
     PROCESS_STARTED_AT,
     SETUP_SECONDS,
+    WARM_UP_QUERY,
     WORK_SECONDS,
 )
 from fedspc_app.core.task import (
@@ -306,7 +307,9 @@ def evaluate(message: Message, context: Context) -> Message:
 @app.query()
 def query(message: Message, context: Context) -> Message:
     """The server's questions: this node's partition id (``NODE_QUERY``, for sampling
-    by partition), or a deployment's check before training (``PARTITION_QUERY``).
+    by partition), a simulation's warm-up (``WARM_UP_QUERY``: what round 1 would load,
+    loaded while the server prepares), or a deployment's check before training
+    (``PARTITION_QUERY``).
 
     The check loads what round 1 would load (so a missing dataset or a bad node-config
     fails here, before any training) and reports the node's per-class image counts,
@@ -317,6 +320,12 @@ def query(message: Message, context: Context) -> Message:
         partition_id, num_partitions = check_node_config(context.node_config)
         return Message(RecordDict({METRICS: MetricRecord({
             PARTITION_ID: partition_id, "num-partitions": num_partitions})}),
+            reply_to=message)
+    if kind == WARM_UP_QUERY:
+        started_at = time.time()
+        setup = ClientSetup.from_message(message, context)
+        return Message(RecordDict({METRICS: MetricRecord({
+            PARTITION_ID: setup.partition_id, **first_message_times(started_at)})}),
             reply_to=message)
     if kind != PARTITION_QUERY:
         raise ValueError(f"unknown query {kind!r}")

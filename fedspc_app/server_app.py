@@ -23,6 +23,7 @@ from torch import nn
 
 from clients.durable import SIMULATION_FOLDER
 from clients.local import keeps_client_state
+from fedspc_app import warm_up
 from fedspc_app.core.checkpoint import TRAINED, RoundRecords, fingerprint, resume_point
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError, FedSPCError
@@ -97,6 +98,7 @@ class CheckedRun:
     partition: dict[str, Any]
     model: nn.Module
     split: ParameterSplit
+    warm_up: warm_up.WarmUp | None = None
 
 
 @app.main()
@@ -124,6 +126,8 @@ def check_run(grid: Grid, context: Context) -> CheckedRun:
         raise ConfigError(
             "run-config 'num-clients' must be the number of SuperNodes in a deployment "
             "(each started with --node-config \"partition-id=i num-partitions=N\")")
+    # A simulation's clients load their data while the server loads its own.
+    warming = None if deployment else warm_up.start(grid, config.num_clients)
     shape, dataset = server_dataset(config, deployment)
     num_clients = wait_for_clients(grid, config.num_clients)
     if deployment:
@@ -138,7 +142,7 @@ def check_run(grid: Grid, context: Context) -> CheckedRun:
     split = parameter_split(model, method, shared_keys=config.shared_keys,
                             personal_keys=config.personal_keys)
     return CheckedRun(config, method, deployment, num_clients, shape, sizes, partition,
-                      model, split)
+                      model, split, warming)
 
 
 def train(grid: Grid, checked: CheckedRun) -> None:
@@ -162,6 +166,8 @@ def train(grid: Grid, checked: CheckedRun) -> None:
         log(ERROR, "Run not started: %s", error)
         raise SystemExit(f"fedspc: {error}") from None
     precision = run_precision(config, deployment)
+    warmed = (warm_up.finish(grid, checked.warm_up, config.round_timeout)
+              if checked.warm_up else None)
     recorder.start(extra={
         "method": method.summary,
         "num-clients": num_clients,
@@ -174,6 +180,7 @@ def train(grid: Grid, checked: CheckedRun) -> None:
         "personal-keys": list(split.personal),
         "resumed-after-round": resumed.round if resumed else 0,
         "precision": precision,
+        **({"client-warm-up": warmed} if warmed else {}),
     }, rounds=resumed.rounds if resumed else None,
         elapsed=resumed.elapsed_seconds if resumed else 0.0)
     save_partition(checked.partition, recorder.run_dir)

@@ -81,6 +81,7 @@ def run_minimal(run_config: dict, clients: int, threads: int) -> dict:
     """FedAvg's work and nothing else: each round every client resets the model to
     the global one, trains it, the server averages (float64, partition order), then
     every client evaluates the average."""
+    import numpy as np
     import torch
 
     from fedspc_app.core.task import (
@@ -127,9 +128,9 @@ def run_minimal(run_config: dict, clients: int, threads: int) -> dict:
         results = [evaluate_model(model, data[k].batches("test")(), **options)
                    for k in range(clients)]
         rows.append({
-            "round": server_round, "train-loss": sum(losses) / len(losses),
+            "round": server_round, "train-loss": float(np.mean(losses)),
             "train-images": images, "train-seconds": trained - round_started,
-            "accuracy": sum(c / n for c, n, _ in results) / clients,
+            "accuracy": float(np.mean([c / n for c, n, _ in results])),
             "loss": sum(s for _, _, s in results) / sum(n for _, n, _ in results),
             "evaluate-seconds": time.perf_counter() - trained,
             "round-seconds": time.perf_counter() - round_started,

@@ -5,7 +5,10 @@ ClientApp of its destination node directly, like the simulation engine does:
 each node has its own ``Context`` whose state is kept only when the handler
 succeeded (an exception becomes an error reply). Every message and reply is
 deep-copied on the way (no object is shared between server and client, as over a
-network) and recorded, so tests can inspect exactly what crossed the wire.
+network) and recorded, so tests can inspect exactly what crossed the wire: the
+rounds' messages in ``sent`` / ``replies``, the queries (a simulation's warm-up, the
+sampler's partition ids) in ``queries`` / ``query_replies``, where the fault-injecting
+``deliver`` of a subclass does not see them.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
@@ -44,6 +47,8 @@ class InProcessGrid(Grid):
         }
         self.sent: list[Message] = []
         self.replies: list[Message] = []
+        self.queries: list[Message] = []
+        self.query_replies: list[Message] = []
         self.fail_nodes: set[int] = set()
         self.unread: dict[str, Message] = {}
         self._ids = itertools.count(1)
@@ -70,9 +75,14 @@ class InProcessGrid(Grid):
             message = copy.deepcopy(message)
             message_id = f"m{next(self._ids)}"
             message.metadata.__dict__["_message_id"] = message_id
-            self.sent.append(message)
-            reply = self.deliver(message)
-            self.replies.append(reply)
+            if message.metadata.message_type == MessageType.QUERY:
+                self.queries.append(message)
+                reply = InProcessGrid.deliver(self, message)
+                self.query_replies.append(reply)
+            else:
+                self.sent.append(message)
+                reply = self.deliver(message)
+                self.replies.append(reply)
             self.unread[message_id] = copy.deepcopy(reply)
             ids.append(message_id)
         return ids

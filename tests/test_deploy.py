@@ -132,9 +132,10 @@ def test_deployed_server_without_the_data_trains_from_the_clients_reports(
     assert written["tries"] == expected.tries
     assert written["source"] == "reported by the SuperNodes"
     assert (run_dir / "partition.csv").read_text().startswith("client,split,class_0,")
-    # Before training, every node got one query message.
-    kinds = [m.metadata.message_type for m in grid.sent]
-    assert kinds[:2] == ["query", "query"] and kinds.count("query") == 2
+    # Before training, every node got one query message: the preflight (a deployment
+    # has no warm-up).
+    assert [m.content.config_records["config"]["query"] for m in grid.queries] == [
+        "partition", "partition"]
 
 
 def test_simulation_still_stops_when_the_server_lacks_the_data(cifar10_on_the_clients):
@@ -157,7 +158,7 @@ def test_two_nodes_with_one_partition_id_stop_the_run_before_training(
     grid.contexts[2].node_config["partition-id"] = 0
     with pytest.raises(SystemExit, match="nodes 1 and 2 both have partition-id=0"):
         run_server(grid, run_config)
-    assert {m.metadata.message_type for m in grid.sent} == {"query"}
+    assert not grid.sent and grid.queries  # the preflight's queries, nothing trained
     assert not Path(run_config["output-dir"]).exists()
 
 
@@ -167,7 +168,7 @@ def test_a_node_without_its_data_stops_the_run_before_training(
     grid.contexts[2].node_config["data-dir"] = str(tmp_path / "empty")
     with pytest.raises(SystemExit, match=r"node 2: .*cifar-10-batches-py"):
         run_server(grid, run_config)
-    assert {m.metadata.message_type for m in grid.sent} == {"query"}
+    assert not grid.sent and grid.queries  # the preflight's queries, nothing trained
 
 
 def test_a_node_with_another_num_partitions_stops_the_run(cifar10_on_the_clients, deployed):

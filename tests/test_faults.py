@@ -519,7 +519,7 @@ def test_a_resumed_run_with_partial_participation_samples_the_same_clients(tmp):
 
     def crashing(*args):
         grid = Crashing(*args)
-        grid.crash_at = 10  # round 1: 3 partition queries, 2 train, 3 evaluate
+        grid.crash_at = 7  # round 1: 2 train, 3 evaluate; round 2's second train message
         return grid
 
     with pytest.raises(Crash):
@@ -533,7 +533,7 @@ def test_a_resumed_run_with_partial_participation_samples_the_same_clients(tmp):
     assert trained(resumed) == trained(expected)
     assert accuracies(resumed) == accuracies(expected)
     assert losses(resumed) == losses(expected)
-    queries = [m for m in grid.sent if m.metadata.message_type == MessageType.QUERY]
+    queries = [m for m in grid.queries if m.content.config_records["config"]["query"] == "node"]
     assert sorted(m.metadata.dst_node_id for m in queries) == [15, 311, 907]
 
 

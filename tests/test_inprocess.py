@@ -85,6 +85,10 @@ def test_messages_carry_only_the_shared_block(method, fedspc):
     split = split_of(method)
     corrected = METHODS[method].control_variates or fedspc
     assert len(grid.sent) == 2 * 2 * NUM_CLIENTS  # train + evaluate, two rounds
+    # Before them, one warm-up query a client, answered without error.
+    assert [m.content.config_records["config"]["query"] for m in grid.queries] == [
+        "warm-up"] * NUM_CLIENTS
+    assert not any(reply.has_error() for reply in grid.query_replies)
     for message in grid.sent + grid.replies:
         assert not message.has_error(), message.error
         content = message.content
@@ -374,3 +378,21 @@ def test_a_process_start_is_read_as_a_wall_clock_epoch():
         capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
     # /proc gives the boot time in whole seconds and the start in clock ticks.
     assert abs(float(child.stdout) - spawned) < 2.0
+
+
+def test_the_warm_up_asks_every_node_once_and_a_failed_node_only_warns(monkeypatch):
+    from logging import WARNING
+
+    from fedspc_app import warm_up
+
+    grid = InProcessGrid(client_app.app, NUM_CLIENTS, {"output-dir": str(OUTPUT)})
+    grid.fail_nodes = {2}
+    logged = []
+    monkeypatch.setattr(warm_up, "log", lambda level, *args: logged.append((level, args)))
+    record = warm_up.finish(grid, warm_up.start(grid, 0), timeout=60.0)
+    assert [m.metadata.dst_node_id for m in grid.queries] == [1, 2, 3]
+    assert [reply.has_error() for reply in grid.query_replies] == [False, True, False]
+    assert not grid.sent and 0 <= record["waited-seconds"] <= record["seconds"] < 60.0
+    warnings = [args for level, args in logged if level == WARNING]
+    assert len(warnings) == 1 and "failed to warm up" in warnings[0][0]
+    assert "node 2 was told to fail" in warnings[0][2]

@@ -7,6 +7,9 @@ one home below both (``clients/`` and ``strategies/`` do not import each other).
 # Query messages (``MessageType.QUERY``), by their ``config["query"]``.
 PARTITION_QUERY = "partition"  # load this node's partition; report its class counts
 NODE_QUERY = "node"  # report this node's partition id only (nothing is loaded)
+# A simulation's first message to each node, sent while the server loads its own data:
+# start the worker process, import the ClientApp, load the data and build the model.
+WARM_UP_QUERY = "warm-up"
 
 # Reply metrics.
 PARTITION_ID = "partition-id"
