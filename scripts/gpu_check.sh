@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check: ResNet-34 at 32x32 on CIFAR-100-shaped random data (no download), 10
 # clients, E = 1, a few rounds each with 1.0, 0.5 and 0.25 GPU per client in fp32,
-# then 0.25 GPU per client with bf16 autocast and channels-last. Prints per setting
+# then 0.25 GPU per client with bf16 autocast and channels-last, and with precision
+# "auto" (bf16 where the GPU has it) and channels-last. Prints per setting
 # the first and the steady round time, training images/s and the peak GPU memory of
 # one client process. Sized for about 5 minutes on one recent GPU. Exits non-zero
 # when any setting failed (its log is kept in the work folder it prints).
@@ -24,7 +25,7 @@ ROUNDS=${ROUNDS:-3}
 EPOCHS=${EPOCHS:-1}
 TRAIN=${TRAIN:-50000}
 TEST=${TEST:-10000}
-SETTINGS=${SETTINGS:-"1.0:fp32 0.5:fp32 0.25:fp32 0.25:bf16:cl"}
+SETTINGS=${SETTINGS:-"1.0:fp32 0.5:fp32 0.25:fp32 0.25:bf16:cl 0.25:auto:cl"}
 PYTHON=${PYTHON:-python}
 
 if [ -n "${WORK:-}" ]; then
