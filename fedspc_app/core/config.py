@@ -55,7 +55,7 @@ class RunConfig:
 
     Defaults are those of ``[tool.flwr.app.config]`` in pyproject.toml (a quick,
     offline run on the embedded digits dataset); the paper's values are in the
-    README's configuration table and in the presets under ``conf/``.
+    configuration table (docs/configuration.md) and in the presets under ``conf/``.
     """
 
     # What to train
