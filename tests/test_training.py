@@ -31,25 +31,27 @@ def train(net: nn.Module, **options):
                         **options)
 
 
-def test_the_losses_are_read_per_epoch_and_summed_in_step_order():
-    net = model()
-    result = train(net)
-    assert (result.steps, result.examples) == (12, 96)
-    # Recompute the same steps reading each loss at once: the same sum, bit for bit.
-    again, losses = model(), []
-    optimizer = torch.optim.SGD(again.parameters(), lr=0.05)
-    again.train()
+def torch_sgd(net: nn.Module, **options) -> float:
+    """The steps of ``train`` with torch.optim.SGD, reading each loss at once; the
+    summed loss in step order."""
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, **options)
+    net.train()
+    total = 0.0
     for _ in range(2):
         for images, labels in batches()():
-            loss = nn.functional.cross_entropy(again(images), labels)
+            loss = nn.functional.cross_entropy(net(images), labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            losses.append(loss.item() * labels.shape[0])
-    total = 0.0
-    for value in losses:
-        total += value
-    assert result.loss_sum == total
+            total += loss.item() * labels.shape[0]
+    return total
+
+
+def test_the_losses_are_read_per_epoch_and_summed_in_step_order():
+    result = train(model())
+    assert (result.steps, result.examples) == (12, 96)
+    # The same steps reading each loss at once: the same sum, bit for bit.
+    assert result.loss_sum == torch_sgd(model())
 
 
 def test_a_non_finite_loss_names_its_step():
@@ -143,18 +145,8 @@ def test_each_supernode_resolves_auto_for_its_own_device():
 def test_the_loop_s_sgd_is_torch_s_sgd_bit_for_bit(momentum, weight_decay):
     net, reference = model(), model()
     result = train(net, momentum=momentum, weight_decay=weight_decay)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=momentum,
-                                weight_decay=weight_decay)
-    reference.train()
-    total = 0.0
-    for _ in range(2):
-        for images, labels in batches()():
-            loss = nn.functional.cross_entropy(reference(images), labels)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total += loss.item() * labels.shape[0]
-    assert result.loss_sum == total
+    assert result.loss_sum == torch_sgd(reference, momentum=momentum,
+                                        weight_decay=weight_decay)
     for a, b in zip(net.state_dict().values(), reference.state_dict().values()):
         assert torch.equal(a, b)
 
