@@ -18,6 +18,7 @@ from sklearn.datasets import load_digits
 from torchvision.io import write_jpeg
 
 from fedspc_app.core import datasets as data
+from fedspc_app.core import tinyimagenet
 from fedspc_app.core.batching import iterate_batches, random_crop_flip
 from fedspc_app.core.config import DATASETS, parse_run_config
 from fedspc_app.core.datasets import (
@@ -484,7 +485,7 @@ def test_tinyimagenet_loads_and_uses_cache(
     def no_decoding(path):
         raise AssertionError(f"decoded {path} although a cache exists")
 
-    monkeypatch.setattr(data, "_decode_image_file", no_decoding)
+    monkeypatch.setattr(tinyimagenet, "_decode_image_file", no_decoding)
     clear_cache()
     again = load_dataset("tinyimagenet", tmp_path / "tiny-imagenet-200")
     assert torch.equal(again.train_images, ds.train_images)

@@ -19,3 +19,12 @@ class DivergenceError(FedSPCError, FloatingPointError):
 
 class BusyError(FedSPCError, RuntimeError):
     """A results folder is in use by another process (a run or a grid)."""
+
+
+def one_line(err: BaseException, limit: int = 200) -> str:
+    """One-line ``Type: message`` summary of an exception, for user-facing messages."""
+    text = str(err).strip().splitlines()
+    msg = text[0] if text else ""
+    if len(msg) > limit:
+        msg = msg[: limit - 3] + "..."
+    return f"{type(err).__name__}: {msg}" if msg else type(err).__name__

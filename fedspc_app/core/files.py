@@ -10,7 +10,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -141,3 +141,15 @@ def holder_text(holder: dict[str, Any]) -> str:
         return "another process"
     return (f"{holder.get('what') or 'another process'} (pid {holder['pid']} on "
             f"{holder.get('host', '?')}, since {holder.get('since', '?')})")
+
+
+def find_folder(data_dir: Path, folder: str, required: Sequence[str]) -> Path | None:
+    """Locate ``folder`` under ``data_dir``, or accept ``data_dir`` as that folder."""
+    nested = data_dir / folder
+    if nested.is_dir():
+        return nested
+    if data_dir.is_dir() and (
+        data_dir.name == folder or all((data_dir / f).exists() for f in required)
+    ):
+        return data_dir
+    return None
