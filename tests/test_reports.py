@@ -447,3 +447,31 @@ def test_one_label_pools_a_seed_grid_with_the_grid_it_repeats(tmp_path):
     pairs = (out / "pairs.md").read_text().splitlines()[2]
     assert pairs.split(" | ")[2:7] == ["E1", "1", "45.00", "41.00", "-4.00"]
     assert pairs.endswith("| 2 | -2.00 / -6.00 |")
+
+
+def test_the_drift_figure_leaves_out_the_panels_a_method_did_not_record(tmp_path, monkeypatch):
+    grid = tmp_path / "grid"
+    full = {"drift-dispersion": (3.0, 2.0), "update-cosine": (0.4, 0.5),
+            "update-norm": (0.2, 0.1), "global-reference-norm": (0.1, 0.05)}
+    cells = [
+        write_run(grid, "lgfedavg", setting="S", method="lgfedavg", curve=(0.4, 0.5),
+                  series={k: v for k, v in full.items() if k != "global-reference-norm"}),
+        write_run(grid, "lgfedavg+fedspc", setting="S", method="lgfedavg", fedspc=True,
+                  curve=(0.4, 0.5), series=full),
+        # A base without the diagnostics and a +FedSPC run that recorded only ‖ū‖.
+        write_run(grid, "fedrep", setting="S", curve=(0.4, 0.5)),
+        write_run(grid, "fedrep+fedspc", setting="S", fedspc=True, curve=(0.4, 0.5),
+                  series={"global-reference-norm": (0.1, 0.05)}),
+    ]
+    (grid / layout.GRID_JSON).write_text(json.dumps({"name": "grid", "cells": cells}))
+    drawn = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: drawn.append(fig) or path)
+    plots.plot_drift(load_records(grid), "S", 0.1, "drift.png")
+    columns = {ax.get_title(): ax for ax in drawn[0].axes if ax.get_title()}
+    visible = [ax for ax in drawn[0].axes if ax.get_visible()]
+    assert all(ax.lines for ax in visible)  # no empty panel is drawn
+    assert len(visible) == 4 + 1  # LG-FedAvg's four panels, FedRep's ‖ū‖ only
+    assert set(columns) == {"FedRep", "LG-FedAvg"}
+    # Each quantity is named once, on the first panel that draws it.
+    labels = [ax.get_ylabel() for ax in visible if ax.get_ylabel()]
+    assert sorted(labels) == sorted(label for _, label, _ in plots.DRIFT_PANELS)

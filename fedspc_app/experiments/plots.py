@@ -129,17 +129,23 @@ def plot_drift(records: Sequence[ResultRecord], setting: str, alpha: float,
                 if steps:
                     ax.plot(steps, mean, color=colour, label=name,
                             marker="." if len(steps) < 30 else None)
-            if log_scale and ax.lines:
+            if not ax.lines:  # not recorded by this method's runs: no empty panel
+                ax.set_visible(False)
+                continue
+            if log_scale:
                 ax.set_yscale("log")
-            if row == 0:
-                ax.set_title(display_method(method))
-            if col == 0:
-                ax.set_ylabel(label, fontsize=8)
-            if row == len(DRIFT_PANELS) - 1:
-                ax.set_xlabel("Round")
             ax.grid(alpha=0.3)
-            if ax.lines:
-                ax.legend(fontsize=7)
+            ax.legend(fontsize=7)
+            ax.set_xlabel("Round", fontsize=8)
+    # Titles on each column's first panel drawn, labels on each row's first one.
+    for col, method in enumerate(methods):
+        drawn = [axes[row][col] for row in range(len(DRIFT_PANELS))
+                 if axes[row][col].get_visible()]
+        drawn[0].set_title(display_method(method))
+    for row, (_, label, _) in enumerate(DRIFT_PANELS):
+        drawn = [ax for ax in axes[row] if ax.get_visible()]
+        if drawn:
+            drawn[0].set_ylabel(label, fontsize=8)
     fig.suptitle(f"Client drift on the shared block: {setting}, α = {alpha_text(alpha)}")
     return save_figure(fig, Path(path))
 
