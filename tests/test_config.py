@@ -56,7 +56,12 @@ def test_pyproject_keys_match_runconfig_fields_both_ways(defaults):
 
 
 def test_runconfig_default_is_valid():
-    assert validate(RunConfig()) == RunConfig()
+    # The defaults pass every check, read back from their own kebab-case keys they are
+    # the same config, and they name a run: a default the parser rejects or changes
+    # fails here.
+    config = RunConfig()
+    assert parse_run_config(config.to_dict()) == config
+    assert config.resolved_run_name == "digits-cnn-fedavg-a0.1-s0"
 
 
 # ------------------------------------------------------------ keys and types
@@ -302,8 +307,14 @@ def test_scaffold_with_fedspc_is_rejected():
         parse_run_config({"method": "scaffold", "fedspc": True})
 
 
-def test_scaffold_without_fedspc_is_fine():
-    assert parse_run_config({"method": "scaffold"}).label == "scaffold"
+@pytest.mark.parametrize("fedspc", [False, "false", 0])
+def test_scaffold_without_fedspc_is_fine(fedspc):
+    config = parse_run_config({"method": "scaffold", "fedspc": fedspc, "seed": 2})
+    assert config.fedspc is False
+    assert config.resolved_run_name == "digits-cnn-scaffold-a0.1-s2"
+    # fedspc alone stood in the way: the same config with it is refused.
+    with pytest.raises(ConfigError, match="method 'scaffold' already corrects"):
+        validate(config.replace(fedspc=True))
 
 
 @pytest.mark.parametrize("method", sorted(m for m in METHODS if m != "scaffold"))

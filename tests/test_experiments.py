@@ -18,6 +18,7 @@ import yaml
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.files import folder_lock
 from fedspc_app.core.pause import PAUSE_REQUEST, RunPaused, request_pause
+from fedspc_app.core.results import start_results
 from fedspc_app.experiments import cli, runner
 from fedspc_app.experiments.grid import (
     Cell,
@@ -26,6 +27,8 @@ from fedspc_app.experiments.grid import (
     load_grid,
     parse_only,
 )
+from fedspc_app.experiments.pausing import resolve_target
+from fedspc_app.experiments.records import load_records
 from fedspc_app.experiments.runner import run_grid
 from fedspc_app.launch.superlink import SimulationFailed
 
@@ -326,6 +329,48 @@ def test_runner_skips_finished_cells_and_reports_progress(tmp_path):
     again = FakeRunner()
     assert run_grid(grid, grid.cells, runner=again, echo=lambda _: None).ok
     assert again.calls == []
+
+
+def test_grid_json_holds_no_path_of_this_machine_and_the_grid_is_still_found(tmp_path):
+    path = write_yaml(tmp_path / "g.yaml", {
+        "base": {"data-dir": str(tmp_path / "data")},
+        "axes": {"method": ["fedper", "fedrep"]}, "centralized": {"epochs": 1}})
+    grid = load_grid(path, output_dir=tmp_path / "out")
+    written = json.loads(runner.write_grid_json(grid).read_text())
+
+    def strings(tree):
+        if isinstance(tree, dict):
+            return [t for key, value in tree.items() for t in (key, *strings(value))]
+        if isinstance(tree, list):
+            return [t for value in tree for t in strings(value)]
+        return [tree] if isinstance(tree, str) else []
+
+    assert [text for text in strings(written) if str(tmp_path) in text] == []
+    # Every path is relative to the grid folder, and leads where the absolute one did.
+    assert written["directory"] == "."
+    assert written["source"] == "../../g.yaml"
+    assert (grid.directory / written["source"]).resolve() == path.resolve()
+    assert len(written["cells"]) == 3 and {c["kind"] for c in written["cells"]} == {
+        "federated", "centralized"}
+    for cell, entry in zip(grid.cells, written["cells"]):
+        assert entry["run-config"]["output-dir"] == "."
+        assert entry["run-config"]["data-dir"] == ""
+        assert entry["run-config"] == {**cell.run_config, "output-dir": ".", "data-dir": ""}
+        # The grid and a run in memory keep the machine's paths they run with.
+        assert cell.run_config["data-dir"] == str((tmp_path / "data").resolve())
+    # A finished cell whose config.json was written the same way is still done and
+    # unchanged; the grid folder is found from grid.json, and its cells by name.
+    cell = grid.cells[0]
+    start_results(cell.run_dir, {"run-config": cell.run_config})
+    finish_summary = {"complete": True, "rounds": 10, "final-accuracy": 0.5,
+                      "best-accuracy": 0.5, "best-round": 10, "wall-seconds": 1.0}
+    (cell.run_dir / "summary.json").write_text(json.dumps(finish_summary))
+    assert runner.config_changes(cell) == [] and runner.is_done(cell)
+    assert resolve_target(str(grid.directory)) == resolve_target(str(path),
+                                                                 str(tmp_path / "out"))
+    records = load_records(grid.directory)
+    assert [r.name for r in records] == [c.name for c in grid.cells]
+    assert [r.status for r in records] == ["complete", "missing", "missing"]
 
 
 def test_the_plan_and_the_progress_say_how_far_an_interrupted_cell_got(tmp_path):

@@ -285,6 +285,38 @@ def test_a_crashed_run_resumes_to_the_same_metrics(tmp, crash_at):
     assert not (tmp / "b" / "run" / "client-state").exists()  # removed once complete
 
 
+def strings(tree) -> list[str]:
+    """Every string in a JSON tree (keys too)."""
+    if isinstance(tree, dict):
+        return [text for key, value in tree.items() for text in (key, *strings(value))]
+    if isinstance(tree, list):
+        return [text for value in tree for text in strings(value)]
+    return [tree] if isinstance(tree, str) else []
+
+
+def test_config_json_holds_no_path_of_this_machine_and_the_run_still_resumes(tmp):
+    # Absolute paths, as the launcher hands them to the ServerApp (digits ignores data-dir).
+    paths = {"checkpoint": True, "num_rounds": 2, "data_dir": str(tmp / "data")}
+
+    def crashing(*args):
+        grid = Crashing(*args)
+        grid.crash_at = 8  # in round 2's training, after round 1's checkpoint
+        return grid
+
+    with pytest.raises(Crash):
+        run(tmp, grid_type=crashing, **paths)
+    for resumed in (False, True):
+        if resumed:
+            _, rounds, error = run(tmp, resume=True, **paths)
+            assert error is None and [r["round"] for r in rounds] == [1, 2]
+        written = json.loads((tmp / "run" / "config.json").read_text())
+        assert written["run-config"]["output-dir"] == ".."  # the run folder's parent
+        assert written["run-config"]["data-dir"] == ""  # the reader's own data folder
+        assert written["run-config"]["run-name"] == "run"
+        assert [text for text in strings(written) if str(tmp) in text] == []
+        assert written["resumed-after-round"] == (1 if resumed else 0)
+
+
 def test_a_round_resumed_after_its_aggregation_counts_its_earlier_training_time(tmp):
     # The checkpoint after round 2's aggregation: round 1 ended at 10 s, the
     # aggregation at 14 s; the 4 s of training belong to round 2.
@@ -469,8 +501,11 @@ def test_a_valid_node_config():
 
 
 def test_dropped_reply_reasons_are_plain_strings_in_metrics(tmp):
-    _, rounds, _ = run(tmp, Faulty({(1, 1, "train"): RuntimeError("x")}), num_rounds=1)
-    assert all(isinstance(text, str) for text in rounds[0]["dropped-reasons"])
+    # ``rounds`` is metrics.json as written: one readable line per dropped reply, the
+    # node and the client's own exception.
+    _, rounds, _ = run(tmp, Faulty({(1, 1, "train"): RuntimeError("disk full")}),
+                       num_rounds=1)
+    assert rounds[0]["dropped-reasons"] == ["node 1: client error: RuntimeError: disk full"]
 
 
 

@@ -3,7 +3,8 @@
 Files (each rewritten atomically after every round, so an interrupted run keeps
 what it finished):
 
-* ``config.json``: the resolved run-config.
+* ``config.json``: the resolved run-config, its paths in a form that holds on any
+  machine (:func:`portable_run_config`).
 * ``partition.json`` / ``partition.csv``: train and test images per client × class.
 * ``metrics.json``: one entry per round (personalized accuracy = mean over
   clients, sample-weighted accuracy, loss, per-client accuracies, train loss,
@@ -19,6 +20,7 @@ import csv
 import io
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -75,12 +77,53 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def relative_path(path: str | os.PathLike[str], folder: Path) -> str:
+    """``path`` (a relative one: against the working directory) relative to ``folder``,
+    with POSIX separators; only its last component when the two share no folder below
+    the filesystem's root (the way up and down would spell this machine's layout)."""
+    path, folder = Path(path).expanduser().resolve(), Path(folder).resolve()
+    try:
+        common = Path(os.path.commonpath([path, folder]))
+    except ValueError:  # another drive (Windows)
+        return path.name
+    if common == Path(common.anchor):
+        return path.name
+    return Path(os.path.relpath(path, folder)).as_posix()
+
+
+def portable_run_config(run_config: Mapping[str, Any], folder: Path) -> dict[str, Any]:
+    """The run-config as a results file records it: no absolute path of this machine.
+
+    Results folders are read elsewhere (``docs/results/`` is committed), where this
+    machine's paths mean nothing. Both path keys only say where things live on the
+    machine that ran (checkpoint ``MAY_CHANGE``; the grid runner ignores them too),
+    and nothing reads them back from a results file to find a file, so:
+
+    * ``output-dir`` is relative to ``folder``, the folder of the file that records it:
+      ``..`` in a run's ``config.json`` (the run folder is ``<output-dir>/<run-name>``),
+      ``.`` in a grid's ``grid.json`` (its cells' output-dir is the grid folder).
+    * ``data-dir`` is kept when empty (the default folder) or relative (as given); an
+      absolute one becomes ``""``: the dataset is ``dataset``, and its files come from
+      the default data folder of the machine that reads it, or any ``data-dir``
+      given there.
+    """
+    out = dict(run_config)
+    if out.get("output-dir"):
+        out["output-dir"] = relative_path(str(out["output-dir"]), folder)
+    if out.get("data-dir") and os.path.isabs(str(out["data-dir"])):
+        out["data-dir"] = ""
+    return out
+
+
 def start_results(run_dir: Path, config: Mapping[str, Any]) -> None:
     """Create ``run_dir``, remove a previous run's metrics and summary, write
-    ``config.json``."""
+    ``config.json`` (its ``run-config`` made :func:`portable_run_config`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in (METRICS_JSON, METRICS_CSV, SUMMARY_JSON):
         (run_dir / stale).unlink(missing_ok=True)
+    config = dict(config)
+    if isinstance(config.get("run-config"), Mapping):
+        config["run-config"] = portable_run_config(config["run-config"], run_dir)
     atomic_write(run_dir / CONFIG_JSON, json.dumps(config, indent=2, default=_json_default))
 
 

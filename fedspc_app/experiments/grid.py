@@ -34,6 +34,7 @@ import yaml
 
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.results import portable_run_config, relative_path
 from fedspc_app.experiments.layout import slug
 from fedspc_app.launch.runconfig import (
     APP_DIR,
@@ -130,17 +131,29 @@ class Grid:
     """An expanded grid: federated cells in product order, then the references."""
 
     name: str
-    directory: Path  # <output-dir>/<name>, absolute
+    directory: Path  # <output-dir>/<name>, absolute (grid.json records ".")
     axes: dict[str, list[Any]]  # axis → values (bundle labels), as written
     cells: tuple[Cell, ...]
     simulation: SimulationSettings
     source: Path | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "source": str(self.source) if self.source else None,
-                "directory": str(self.directory), "axes": self.axes,
+        """The grid as ``grid.json`` records it, with no absolute path of this machine:
+        every path is relative to the grid folder (the folder holding ``grid.json``),
+        so a copy of it elsewhere (a clone of ``docs/results/``) still reads right.
+        ``directory`` is ``.``; ``source`` the grid file from there (e.g.
+        ``../../conf/experiments/<name>.yaml``, or its name alone when the two share
+        no folder); each cell's run-config is :func:`portable_run_config` (its
+        ``output-dir`` ``.``). Nothing reads these paths back: the runner works from
+        the loaded :class:`Grid`, reports find a cell's folder by its name.
+        """
+        return {"name": self.name,
+                "source": relative_path(self.source, self.directory) if self.source else None,
+                "directory": relative_path(self.directory, self.directory), "axes": self.axes,
                 "simulation": self.simulation.to_dict(),
-                "cells": [cell.to_dict() for cell in self.cells]}
+                "cells": [{**cell.to_dict(),
+                           "run-config": portable_run_config(cell.run_config, self.directory)}
+                          for cell in self.cells]}
 
 
 @dataclass(frozen=True)
