@@ -47,6 +47,8 @@ class Faulty:
         self.faults = faults
 
     def __call__(self, message: Message, context: Context) -> Message:
+        if message.metadata.message_type == MessageType.QUERY:  # the warm-up: no fault
+            return client_app.app(message, context)
         config = message.content.config_records["config"]
         kind = "train" if message.metadata.message_type == MessageType.TRAIN else "evaluate"
         fault = self.faults.get((message.metadata.dst_node_id, int(config["server-round"]),
