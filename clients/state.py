@@ -26,7 +26,7 @@ from typing import Protocol
 from flwr.app import ConfigRecord, RecordDict
 
 from fedspc_app.core.errors import FedSPCError
-from fedspc_app.core.task import ArrayDict, from_record, to_record
+from fedspc_app.core.records import ArrayDict, from_record, to_record
 
 PERSONAL = "personal"
 LOCAL_REFERENCE = "local-reference"

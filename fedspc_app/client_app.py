@@ -27,36 +27,40 @@ from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.protocol import (
+    ACCEPTED_ROUNDS,
     APP_IMPORT_STARTED_AT,
     APP_IMPORTED_AT,
+    ARRAYS,
+    CONFIG,
+    DEPLOYMENT,
+    DURABLE_THROUGH,
     GLOBAL_CORRECT,
     GLOBAL_EXAMPLES,
+    GLOBAL_REFERENCE,
     HANDLER_STARTED_AT,
+    METRICS,
     NODE_QUERY,
+    NUM_CLIENTS,
     PARTITION_ID,
     PARTITION_QUERY,
     PROCESS_STARTED_AT,
+    QUERY,
+    REFERENCE_CHANGE,
+    REFERENCE_UPLOAD,
+    RUN_TOKEN,
+    SERVER_ROUND,
     SETUP_SECONDS,
     WARM_UP_QUERY,
     WORK_SECONDS,
 )
+from fedspc_app.core.records import from_record, to_record
 from fedspc_app.core.task import (
     ClientData,
     ParameterSplit,
     client_data,
-    from_record,
     initial_model,
     load_partition,
     parameter_split,
-    to_record,
-)
-from strategies.fedspc import GLOBAL_REFERENCE, REFERENCE_CHANGE
-from strategies.personalized import (
-    ACCEPTED_ROUNDS,
-    ARRAYS,
-    DURABLE_THROUGH,
-    METRICS,
-    RUN_TOKEN,
 )
 
 app = ClientApp()
@@ -67,7 +71,7 @@ NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "data-dir", "state-dir")
 
 def message_config(message: Message):
     """The ``config`` ConfigRecord of a server message (empty when absent)."""
-    return message.content.config_records.get("config", {})
+    return message.content.config_records.get(CONFIG, {})
 
 
 def check_node_config(node_config) -> tuple[int, int]:
@@ -112,7 +116,7 @@ def node_run_config(context: Context) -> RunConfig:
 def node_partition(message: Message, context: Context) -> tuple[int, int]:
     """This node's ``partition-id`` and ``num-partitions``, checked against the server's."""
     partition_id, num_partitions = check_node_config(context.node_config)
-    expected = int(message_config(message).get("num-clients", num_partitions))
+    expected = int(message_config(message).get(NUM_CLIENTS, num_partitions))
     if expected != num_partitions:
         raise ConfigError(
             f"this node was started with num-partitions={num_partitions} but the "
@@ -150,7 +154,7 @@ class ClientSetup:
         partition_id, num_partitions = node_partition(message, context)
         data = client_data(config, partition_id, num_partitions)
         model = initial_model(config, data.dataset)
-        deployment = bool(message_config(message).get("deployment", False))
+        deployment = bool(message_config(message).get(DEPLOYMENT, False))
         store = DurableState.for_node(context.node_config, config.run_dir,
                                       config.resolved_run_name, partition_id,
                                       deployment=deployment, checkpoint=config.checkpoint,
@@ -158,7 +162,7 @@ class ClientSetup:
         split = parameter_split(model, method, shared_keys=config.shared_keys,
                                 personal_keys=config.personal_keys)
         return cls(config, method, data, split, model,
-                   partition_id, int(message_config(message).get("server-round", 0)),
+                   partition_id, int(message_config(message).get(SERVER_ROUND, 0)),
                    store=store, deployment=deployment)
 
     @property
@@ -274,7 +278,7 @@ def train(message: Message, context: Context) -> Message:
     metrics = {**outcome.metrics, PARTITION_ID: setup.partition_id,
                **timings(started, working, worked), **first_message_times(started_at)}
     content = RecordDict({ARRAYS: to_record(outcome.shared), METRICS: MetricRecord(metrics)})
-    upload = message_config(message).get("reference-upload")
+    upload = message_config(message).get(REFERENCE_UPLOAD)
     if upload == "explicit" and outcome.reference_change is not None:
         content[REFERENCE_CHANGE] = to_record(outcome.reference_change)
     return Message(content=content, reply_to=message)
@@ -315,7 +319,7 @@ def query(message: Message, context: Context) -> Message:
     fails here, before any training) and reports the node's per-class image counts,
     from which the server writes the run's partition file.
     """
-    kind = message_config(message).get("query")
+    kind = message_config(message).get(QUERY)
     if kind == NODE_QUERY:
         partition_id, num_partitions = check_node_config(context.node_config)
         return Message(RecordDict({METRICS: MetricRecord({

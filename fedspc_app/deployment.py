@@ -20,14 +20,13 @@ from flwr.supercore import log
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.datasets import ImageDataset
 from fedspc_app.core.errors import FedSPCError
-from fedspc_app.core.protocol import PARTITION_QUERY
+from fedspc_app.core.protocol import CONFIG, METRICS, NUM_CLIENTS, PARTITION_QUERY, QUERY
 from fedspc_app.core.task import (
     KNOWN_SHAPES,
     DatasetShape,
     dataset_shape,
     load_run_dataset,
 )
-from strategies.personalized import METRICS
 
 try:  # the Grid Flower's deployment engine hands the ServerApp (not a public name)
     from flwr.superlink.grid import HttpGrid as _DeploymentGrid
@@ -84,8 +83,8 @@ def preflight(grid: Grid, config: RunConfig, num_clients: int, shape: DatasetSha
     """
     node_ids = sorted(grid.get_node_ids())
     messages = [
-        Message(RecordDict({"config": ConfigRecord({"query": PARTITION_QUERY,
-                                                    "num-clients": num_clients})}),
+        Message(RecordDict({CONFIG: ConfigRecord({QUERY: PARTITION_QUERY,
+                                                 NUM_CLIENTS: num_clients})}),
                 dst_node_id=node_id, message_type=MessageType.QUERY)
         for node_id in node_ids
     ]

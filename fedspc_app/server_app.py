@@ -32,6 +32,8 @@ from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.partition import save_partition
 from fedspc_app.core.pause import RunPaused, clear_pause
 from fedspc_app.core.precision import emulation_warning, precision_report
+from fedspc_app.core.protocol import ACCEPTED_ROUNDS, DEPLOYMENT, NUM_CLIENTS
+from fedspc_app.core.records import to_record
 from fedspc_app.core.results import RunRecorder, TrafficGrid, read_summary
 from fedspc_app.core.task import (
     DatasetShape,
@@ -41,11 +43,9 @@ from fedspc_app.core.task import (
     parameter_split,
     resolve_device,
     state_arrays,
-    to_record,
 )
 from fedspc_app.deployment import is_deployment, preflight, server_dataset
 from strategies import FedSPC, PersonalizedFedAvg, run_rounds
-from strategies.personalized import ACCEPTED_ROUNDS
 
 app = ServerApp()
 
@@ -191,7 +191,7 @@ def train(grid: Grid, checked: CheckedRun) -> None:
     records = RoundRecords(config, strategy, recorder, identity, resumed)
     if not strategy.run_token:  # a new run (a resumed one keeps its checkpoint's)
         strategy.run_token = secrets.token_hex(8)
-    round_config = {"num-clients": num_clients, "deployment": deployment}
+    round_config = {NUM_CLIENTS: num_clients, DEPLOYMENT: deployment}
     initial = resumed.shared if resumed else state_arrays(checked.model, split.shared)
     evaluate_first = resumed is not None and resumed.phase == TRAINED
     try:

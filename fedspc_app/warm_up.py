@@ -20,7 +20,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from fedspc_app.core.protocol import WARM_UP_QUERY
+from fedspc_app.core.protocol import CONFIG, NUM_CLIENTS, QUERY, WARM_UP_QUERY
 from strategies.rounds import worker_startup
 
 
@@ -36,8 +36,8 @@ class WarmUp:
 def start(grid: Grid, num_clients: int) -> WarmUp:
     """Send every connected node the warm-up query; do not wait. ``num_clients``: the
     run-config's (0: each node's own ``num-partitions``)."""
-    config = {"query": WARM_UP_QUERY, **({"num-clients": num_clients} if num_clients else {})}
-    messages = [Message(RecordDict({"config": ConfigRecord(config)}), dst_node_id=node_id,
+    config = {QUERY: WARM_UP_QUERY, **({NUM_CLIENTS: num_clients} if num_clients else {})}
+    messages = [Message(RecordDict({CONFIG: ConfigRecord(config)}), dst_node_id=node_id,
                         message_type=MessageType.QUERY)
                 for node_id in sorted(grid.get_node_ids())]
     sent_at, started = time.time(), time.monotonic()

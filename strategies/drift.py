@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-ArrayDict = dict[str, np.ndarray]
+from fedspc_app.core.records import ArrayDict
 
 
 def drift_statistics(broadcast: Mapping[str, np.ndarray], finals: Sequence[ArrayDict],

@@ -30,12 +30,16 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from fedspc_app.core.correction import reference_change, shared_update
-from fedspc_app.core.protocol import SHARED_STEPS
-from fedspc_app.core.task import ArrayDict, from_record, to_record
-from strategies.personalized import ARRAYS, METRICS, PersonalizedFedAvg
-
-GLOBAL_REFERENCE = "global-reference"
-REFERENCE_CHANGE = "reference-change"
+from fedspc_app.core.protocol import (
+    ARRAYS,
+    GLOBAL_REFERENCE,
+    METRICS,
+    REFERENCE_CHANGE,
+    REFERENCE_UPLOAD,
+    SHARED_STEPS,
+)
+from fedspc_app.core.records import ArrayDict, from_record, to_record
+from strategies.personalized import PersonalizedFedAvg
 
 
 class FedSPC(Strategy):
@@ -137,7 +141,7 @@ class FedSPC(Strategy):
                 key: np.zeros_like(self.broadcast[key], dtype=np.float32)
                 for key in self.corrected_keys
             }
-        config["reference-upload"] = self.upload
+        config[REFERENCE_UPLOAD] = self.upload
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         # K: every client of the run, sampled, connected or not (u_bar is their mean u_k).
         self.num_clients = self.strategy.num_partitions

@@ -34,28 +34,24 @@ from flwr.supercore import log
 
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.protocol import (
+    ACCEPTED_ROUNDS,
+    ARRAYS,
+    DURABLE_THROUGH,
     GLOBAL_CORRECT,
     GLOBAL_EXAMPLES,
     LOCAL_CORRECT,
     LOCAL_EXAMPLES,
+    METRICS,
     PARTITION_ID,
-    SETUP_SECONDS,
-    WORK_SECONDS,
+    RUN_TOKEN,
+    SERVER_ROUND,
+    TIMINGS,
 )
-from fedspc_app.core.task import ArrayDict, from_record, to_record
+from fedspc_app.core.records import ArrayDict, from_record, to_record
 from strategies.drift import drift_statistics
 from strategies.sampling import PartitionSampler
 
-ARRAYS = "arrays"
-METRICS = "metrics"
-
-ACCEPTED_ROUNDS = "accepted-rounds"
-DURABLE_THROUGH = "durable-through"
-RUN_TOKEN = "run-token"  # tells a resumed run's clients from another run's leftovers
 EVALUATION_KEYS = ("num-examples", "correct", "loss-sum", PARTITION_ID)
-# Optional reply metrics: a client's seconds spent on setup and on the work itself;
-# the aggregates sum them over the clients (``client-setup-seconds`` and so on).
-TIMINGS = (SETUP_SECONDS, WORK_SECONDS)
 
 
 def optional_accuracy(metrics: Sequence[MetricRecord], correct: str, examples: str,
@@ -254,7 +250,7 @@ class PersonalizedFedAvg(FedAvg):
         log(INFO, "configure_%s: sampled %d of %d clients%s", kind, drawn,
             self.num_partitions,
             f" ({drawn - len(nodes)} not connected)" if len(nodes) < drawn else "")
-        config["server-round"] = server_round
+        config[SERVER_ROUND] = server_round
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         return list(self._construct_messages(record, nodes, kind)), drawn
 

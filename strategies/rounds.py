@@ -23,9 +23,11 @@ from fedspc_app.core.protocol import (
     APP_IMPORT_STARTED_AT,
     APP_IMPORTED_AT,
     HANDLER_STARTED_AT,
+    METRICS,
     PROCESS_STARTED_AT,
+    TIMINGS,
 )
-from strategies.personalized import METRICS, TIMINGS, RoundReport
+from strategies.personalized import RoundReport
 
 Trained = Callable[[int, ArrayRecord, MetricRecord | None, RoundReport], None]
 RoundEnd = Callable[[int, MetricRecord | None, MetricRecord | None, RoundReport | None], None]

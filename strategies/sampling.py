@@ -24,7 +24,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from fedspc_app.core.protocol import NODE_QUERY, PARTITION_ID
+from fedspc_app.core.protocol import CONFIG, METRICS, NODE_QUERY, PARTITION_ID, QUERY
 
 QUERY_TIMEOUT = 120.0  # seconds for the nodes' partition ids (a node answers from memory)
 
@@ -86,13 +86,13 @@ class PartitionSampler:
         if not unknown:
             return
         log(INFO, "Asking %d client(s) for their partition id", len(unknown))
-        messages = [Message(RecordDict({"config": ConfigRecord({"query": NODE_QUERY})}),
+        messages = [Message(RecordDict({CONFIG: ConfigRecord({QUERY: NODE_QUERY})}),
                             dst_node_id=node, message_type=MessageType.QUERY)
                     for node in unknown]
         for reply in grid.send_and_receive(messages, timeout=QUERY_TIMEOUT):
             node = reply.metadata.src_node_id
             partition_id = (None if reply.has_error() else
-                            reply.content.metric_records.get("metrics", {}).get(PARTITION_ID))
+                            reply.content.metric_records.get(METRICS, {}).get(PARTITION_ID))
             if isinstance(partition_id, int) and 0 <= partition_id < self.num_partitions:
                 self.learn(node, partition_id)
             else:

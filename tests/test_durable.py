@@ -35,15 +35,9 @@ from fedspc_app import client_app
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.datasets import load_dataset
 from fedspc_app.core.methods import get_method
-from fedspc_app.core.task import (
-    from_record,
-    make_model,
-    parameter_split,
-    state_arrays,
-    to_record,
-)
-from strategies.fedspc import GLOBAL_REFERENCE
-from strategies.personalized import ARRAYS, METRICS
+from fedspc_app.core.protocol import ARRAYS, GLOBAL_REFERENCE, METRICS
+from fedspc_app.core.records import from_record, to_record
+from fedspc_app.core.task import make_model, parameter_split, state_arrays
 
 
 def sample_state(rounds: int = 3) -> ClientState:

@@ -3,12 +3,17 @@
 entry points (fedspc_app/*.py) -> strategies/, clients/ -> fedspc_app/core/;
 fedspc_app/experiments/ -> fedspc_app/launch/ -> fedspc_app/core/. Nothing imports
 upwards, strategies/ and clients/ do not import each other, and no package imports
-itself in a circle.
+itself in a circle. Both sides of a message meet in fedspc_app/core/protocol.py and
+fedspc_app/core/records.py: the client side (the ClientApp, clients/, the deployment
+checks) imports no strategy, and the server's strategies and the clients' saved state
+convert records without fedspc_app.core.task (torch, the datasets, the models).
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +81,34 @@ def test_no_module_imports_in_a_circle():
     done: set[str] = set()
     for module in graph:
         visit(module, [], done)
+
+
+def _imports_of(selected):
+    return {module: project_imports(path) for module, path in modules() if selected(module)}
+
+
+def test_the_client_side_imports_no_strategy():
+    client_side = _imports_of(lambda m: m in ("fedspc_app.client_app", "fedspc_app.deployment")
+                              or package_of(m) == "clients")
+    assert "fedspc_app.client_app" in client_side and "clients.state" in client_side
+    wrong = {module: sorted(name for name in names if package_of(name) == "strategies")
+             for module, names in client_side.items()}
+    assert not {module: names for module, names in wrong.items() if names}
+
+
+def test_strategies_and_client_state_do_not_import_the_task_module():
+    record_users = _imports_of(lambda m: package_of(m) == "strategies" or m == "clients.state")
+    assert "strategies.fedspc" in record_users
+    wrong = {module: sorted(name for name in names
+                            if name == "fedspc_app.core.task"
+                            or name.startswith("fedspc_app.core.task."))
+             for module, names in record_users.items()}
+    assert not {module: names for module, names in wrong.items() if names}
+
+
+def test_the_strategies_load_without_torch():
+    code = ("import sys, strategies, fedspc_app.core.records, fedspc_app.core.protocol; "
+            "print(sorted(m for m in ('torch', 'fedspc_app.core.task') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "[]"

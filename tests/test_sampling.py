@@ -15,7 +15,7 @@ from flwr.app import (
 from virtual_clock import Clock
 
 from fedspc_app.core.protocol import NODE_QUERY
-from fedspc_app.core.task import to_record
+from fedspc_app.core.records import to_record
 from strategies import FedSPC, PersonalizedFedAvg, sampling
 from strategies.sampling import PartitionSampler
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-ArrayDict = dict[str, np.ndarray]
+from fedspc_app.core.records import ArrayDict
 
 
 def shared_update(final: Mapping[str, np.ndarray], initial: Mapping[str, np.ndarray],

@@ -1,8 +1,30 @@
-"""Names both sides of a message agree on: query kinds and reply metrics.
+"""Names both sides of a message agree on: record keys, config keys, query kinds and
+reply metrics.
 
-The ClientApp writes them and the strategies read them; keeping them here gives each
-one home below both (``clients/`` and ``strategies/`` do not import each other).
+The server side (strategies, ServerApp, deployment checks) writes and reads them, and
+so does the ClientApp; keeping them here gives each one home below both
+(``clients/`` and ``strategies/`` do not import each other, and the ClientApp imports
+no strategy). The arrays themselves travel as :mod:`fedspc_app.core.records`.
 """
+
+# Records of a message's RecordDict.
+ARRAYS = "arrays"  # ArrayRecord: the shared block (sent, and replied after training)
+METRICS = "metrics"  # MetricRecord of a reply
+CONFIG = "config"  # ConfigRecord of a server message
+GLOBAL_REFERENCE = "global-reference"  # ArrayRecord: FedSPC's u_bar^t (train messages)
+REFERENCE_CHANGE = "reference-change"  # ArrayRecord: u_k^{t+1} - u_k^t (explicit upload)
+
+# Keys of the ``config`` record.
+SERVER_ROUND = "server-round"
+NUM_CLIENTS = "num-clients"  # K, the run's clients (queries and round messages)
+QUERY = "query"  # the kind of a query message (below)
+DEPLOYMENT = "deployment"  # a deployment run: the clients keep their state in files
+REFERENCE_UPLOAD = "reference-upload"  # FedSPC: "explicit" asks for REFERENCE_CHANGE
+# For every partition, the last round whose reply the server aggregated, and up to
+# which round those decisions are in its checkpoint (see clients.state).
+ACCEPTED_ROUNDS = "accepted-rounds"
+DURABLE_THROUGH = "durable-through"
+RUN_TOKEN = "run-token"  # tells a resumed run's clients from another run's leftovers
 
 # Query messages (``MessageType.QUERY``), by their ``config["query"]``.
 PARTITION_QUERY = "partition"  # load this node's partition; report its class counts
@@ -18,6 +40,9 @@ LOCAL_CORRECT, LOCAL_EXAMPLES = "local-correct", "local-examples"  # before aggr
 # A personal-model method's evaluation of the received global model (evaluate-global-model).
 GLOBAL_CORRECT, GLOBAL_EXAMPLES = "global-correct", "global-examples"
 SETUP_SECONDS, WORK_SECONDS = "setup-seconds", "work-seconds"
+# Optional reply metrics: a client's seconds spent on setup and on the work itself;
+# the aggregates sum them over the clients (``client-setup-seconds`` and so on).
+TIMINGS = (SETUP_SECONDS, WORK_SECONDS)
 # On the first message a ClientApp process handles, and only then: wall-clock epochs of
 # the process's start and of that handler's start. The server turns them into how
 # long new workers took to come up (strategies.rounds.worker_startup); meaningful

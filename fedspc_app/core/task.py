@@ -2,8 +2,8 @@
 
 Building the model for a run, splitting its state-dict keys into the shared and
 personal sets of a method, loading a client's data partition, and converting
-between torch state dicts, numpy arrays and Flower ArrayRecords (always by key,
-never by position).
+between torch state dicts and numpy arrays (always by key, never by position; the
+ArrayRecords of messages are :mod:`fedspc_app.core.records`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord
 from torch import nn
 
 from fedspc_app.core.batching import iterate_batches
@@ -27,20 +26,9 @@ from fedspc_app.core.methods import Block, Method
 from fedspc_app.core.models import build_model, split_body_head
 from fedspc_app.core.partition import Partition, dirichlet_partition
 
-ArrayDict = dict[str, np.ndarray]
-
-
-# --------------------------------------------------------------------- records
-def to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
-    """An ArrayRecord holding ``arrays`` under their keys."""
-    # np.ascontiguousarray would turn 0-d arrays (BatchNorm's num_batches_tracked) into 1-d.
-    return ArrayRecord({key: Array(np.require(value, requirements="C"))
-                        for key, value in arrays.items()})
-
-
-def from_record(record: ArrayRecord) -> ArrayDict:
-    """The arrays of an ArrayRecord as a ``{key: ndarray}`` dict."""
-    return {key: array.numpy() for key, array in record.items()}
+# from_record: re-exported for fedspc_app.core.checkpoint and tests/test_faults.py,
+# which still import it from here; everything else imports fedspc_app.core.records.
+from fedspc_app.core.records import ArrayDict, from_record  # noqa: F401
 
 
 def state_arrays(model: nn.Module, keys: Iterable[str]) -> ArrayDict:

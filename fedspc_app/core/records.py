@@ -1,0 +1,26 @@
+"""Arrays by key, and their Flower ArrayRecords (numpy and flwr only, no torch).
+
+Messages, the clients' saved state and checkpoints carry arrays as ``{key: ndarray}``
+dicts; these convert them to and from ArrayRecords, always by key, never by position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+from flwr.app import Array, ArrayRecord
+
+ArrayDict = dict[str, np.ndarray]
+
+
+def to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """An ArrayRecord holding ``arrays`` under their keys."""
+    # np.ascontiguousarray would turn 0-d arrays (BatchNorm's num_batches_tracked) into 1-d.
+    return ArrayRecord({key: Array(np.require(value, requirements="C"))
+                        for key, value in arrays.items()})
+
+
+def from_record(record: ArrayRecord) -> ArrayDict:
+    """The arrays of an ArrayRecord as a ``{key: ndarray}`` dict."""
+    return {key: array.numpy() for key, array in record.items()}
