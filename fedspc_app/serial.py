@@ -3,7 +3,10 @@
 One process trains the sampled clients one after the other with the project's own
 data, partition, model and client code (:func:`clients.train_client` and
 :func:`clients.evaluate_client`), averages the shared block in partition order and
-updates u_bar as :class:`strategies.FedSPC` does. It is the baseline of
+updates u_bar as :class:`strategies.FedSPC` does, with the same functions
+(:func:`strategies.personalized.mean_arrays`,
+:func:`fedspc_app.core.correction.global_reference_update`, and for the evaluation
+:func:`strategies.personalized.evaluation_summary`). It is the baseline of
 ``scripts/benchmark.py --compare``, and a cross-check of the apps: with every client
 sampled, its metrics are those of the Flower run with the same run-config, bit for
 bit (``tests/test_inprocess.py``). With ``fraction-train`` < 1 it samples its own
@@ -29,7 +32,7 @@ import numpy as np
 from clients import ClientState, evaluate_client, train_client
 from clients.local import uses_control_variates
 from fedspc_app.core.config import RunConfig
-from fedspc_app.core.correction import zeros_like
+from fedspc_app.core.correction import global_reference_update, zeros_like
 from fedspc_app.core.methods import get_method
 from fedspc_app.core.task import (
     client_data,
@@ -40,7 +43,7 @@ from fedspc_app.core.task import (
     parameter_split,
     state_arrays,
 )
-from strategies.personalized import mean_arrays
+from strategies.personalized import evaluation_summary, mean_arrays
 
 
 def _sample(rng: np.random.Generator, num_clients: int, fraction: float) -> list[int]:
@@ -149,13 +152,8 @@ def _rounds(config: RunConfig, num_clients: int, local: _Clients,
                    if config.aggregation == "weighted" else [1.0] * len(ids))
         shared = mean_arrays([outcomes[k].shared for k in ids], weights)
         if corrected:
-            total = {key: np.zeros(value.shape, dtype=np.float64)
-                     for key, value in u_bar.items()}
-            for k in ids:
-                for key, value in outcomes[k].reference_change.items():
-                    total[key] += value
-            u_bar = {key: (u_bar[key] + total[key] / num_clients).astype(np.float32)
-                     for key in u_bar}
+            u_bar = global_reference_update(
+                u_bar, (outcomes[k].reference_change for k in ids), num_clients)
         for k in ids:
             states[k] = outcomes[k].state
         trained = time.perf_counter()
@@ -173,16 +171,13 @@ def _rounds(config: RunConfig, num_clients: int, local: _Clients,
             results = _run_phase(pool, local, "evaluate", {
                 k: (shared, states[k], server_round)
                 for k in _sample(rng, num_clients, fraction)})
-            evaluated = sorted(results)
-            accuracies = [results[k].correct / results[k].examples for k in evaluated]
-            total_examples = sum(results[k].examples for k in evaluated)
+            summary = evaluation_summary({k: (r.correct, r.examples, r.loss_sum)
+                                          for k, r in results.items()})
             row.update({
-                "accuracy": float(np.mean(accuracies)),
-                "weighted-accuracy": sum(results[k].correct for k in evaluated)
-                / total_examples,
-                "loss": sum(results[k].loss_sum for k in evaluated) / total_examples,
-                "clients": len(evaluated),
-                "client-accuracy": {str(k): a for k, a in zip(evaluated, accuracies)},
+                **{key: summary[key]
+                   for key in ("accuracy", "weighted-accuracy", "loss", "clients")},
+                "client-accuracy": {str(k): a for k, a in zip(summary["client-ids"],
+                                                              summary["client-accuracy"])},
                 "evaluate-seconds": time.perf_counter() - trained,
             })
         row["round-seconds"] = time.perf_counter() - round_started

@@ -52,8 +52,9 @@ app = ServerApp()
 
 def build_strategy(config: RunConfig, method: Method, split: ParameterSplit,
                    num_clients: int = 2):
-    """The method's strategy, wrapped by FedSPC when the control variates are on."""
-    strategy = PersonalizedFedAvg(
+    """The method's strategy: FedSPC when the control variates are on, else
+    PersonalizedFedAvg (both aggregate the shared block alike)."""
+    common = dict(
         shared_keys=split.shared,
         aggregation=config.aggregation,
         fraction_train=config.fraction_train,
@@ -65,9 +66,9 @@ def build_strategy(config: RunConfig, method: Method, split: ParameterSplit,
         node_wait=config.node_wait,
     )
     if method.control_variates or config.fedspc:
-        return FedSPC(strategy, corrected_keys=split.corrected,
-                      learning_rate=config.learning_rate, upload=config.fedspc_upload)
-    return strategy
+        return FedSPC(corrected_keys=split.corrected, learning_rate=config.learning_rate,
+                      upload=config.fedspc_upload, **common)
+    return PersonalizedFedAvg(**common)
 
 
 def wait_for_clients(grid: Grid, expected: int, timeout: float = 600.0) -> int:

@@ -1,8 +1,8 @@
 """Server strategies (Flower ``flwr.serverapp.strategy.Strategy`` subclasses).
 
 * :class:`PersonalizedFedAvg` aggregates only the shared block of a method.
-* :class:`FedSPC` wraps it and keeps the global drift reference u_bar; with every
-  parameter shared it is SCAFFOLD.
+* :class:`FedSPC` is one that also keeps the global drift reference u_bar; with
+  every parameter shared it is SCAFFOLD.
 """
 
 from strategies.fedspc import FedSPC

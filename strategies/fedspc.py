@@ -1,8 +1,8 @@
-"""FedSPC's server side: a wrapper that keeps the global drift reference u_bar.
+"""FedSPC's server side: a :class:`PersonalizedFedAvg` that also keeps u_bar.
 
-``FedSPC(inner)`` wraps the strategy of any method whose clients upload their
-final shared parameters. It adds ``u_bar^t`` to every training message (Algorithm
-1, step 1), lets the inner strategy aggregate the shared parameters (step 4,
+:class:`FedSPC` works for any method whose clients upload their final shared
+parameters. It adds ``u_bar^t`` to every training message (Algorithm 1, step 1),
+aggregates the shared parameters as :class:`PersonalizedFedAvg` does (step 4,
 ``theta_s^{t+1} = theta_s^t + mean_k Delta theta_k``), and updates
 ``u_bar^{t+1} = u_bar^t + (1/K) sum_{k in S_t} (u_k^{t+1} - u_k^t)`` with K the
 total number of clients, so partial participation works.
@@ -11,11 +11,11 @@ The reference change of client k is ``-u_bar^t - Delta theta_k / (E_k eta)``, a
 deterministic function of what the server already has. By default
 (``upload="derived"``) clients upload only their shared parameters and the number
 of shared steps E_k, and the server derives the change with the same function the
-client uses (:mod:`fedspc_app.core.correction`), so FedSPC costs no extra upload bytes;
-``upload="explicit"`` makes clients also send the change, as the paper describes.
-Both give identical parameters.
+client uses (:mod:`fedspc_app.core.correction`, which also holds the u_bar update),
+so FedSPC costs no extra upload bytes; ``upload="explicit"`` makes clients also send
+the change, as the paper describes. Both give identical parameters.
 
-SCAFFOLD is this wrapper with every parameter shared.
+SCAFFOLD is this strategy with every parameter shared.
 """
 
 from __future__ import annotations
@@ -26,10 +26,14 @@ from logging import INFO
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
-from fedspc_app.core.correction import reference_change, shared_update
+from fedspc_app.core.correction import (
+    global_reference_update,
+    reference_change,
+    shared_update,
+    zeros_like,
+)
 from fedspc_app.core.protocol import (
     ARRAYS,
     GLOBAL_REFERENCE,
@@ -42,13 +46,11 @@ from fedspc_app.core.records import ArrayDict, from_record, to_record
 from strategies.personalized import PersonalizedFedAvg
 
 
-class FedSPC(Strategy):
-    """Shared-parameter correction around a personalized strategy.
+class FedSPC(PersonalizedFedAvg):
+    """Shared-parameter correction on top of :class:`PersonalizedFedAvg`.
 
     Parameters
     ----------
-    strategy : PersonalizedFedAvg
-        The method's strategy; it aggregates the shared parameters.
     corrected_keys : Sequence[str]
         The shared trainable parameters (keys of u_k and u_bar); shared buffers
         such as BatchNorm statistics are averaged but not corrected.
@@ -56,65 +58,38 @@ class FedSPC(Strategy):
         The clients' local learning rate eta.
     upload : {"derived", "explicit"} (default: "derived")
         Whether clients upload their reference change or the server derives it.
+    **kwargs
+        The arguments of :class:`PersonalizedFedAvg` (``shared_keys`` and so on).
     """
 
     def __init__(
         self,
-        strategy: PersonalizedFedAvg,
         *,
         corrected_keys: Sequence[str],
         learning_rate: float,
         upload: str = "derived",
+        **kwargs,
     ) -> None:
+        super().__init__(**kwargs)
         if upload not in ("derived", "explicit"):
             raise ValueError(f"upload must be 'derived' or 'explicit', got {upload!r}")
-        missing = set(corrected_keys) - set(strategy.shared_keys)
+        missing = set(corrected_keys) - set(self.shared_keys)
         if missing:
             raise ValueError(f"corrected keys outside the shared block: {sorted(missing)[:3]}")
-        self.strategy = strategy
         self.corrected_keys = tuple(corrected_keys)
         self.learning_rate = float(learning_rate)
         self.upload = upload
         self.global_reference: ArrayDict | None = None
         self.num_clients = 0
-        self.broadcast: ArrayDict | None = None
 
     def summary(self) -> None:
         log(INFO, "\t├──> FedSPC: %d corrected keys, eta=%g, reference change %s",
             len(self.corrected_keys), self.learning_rate, self.upload)
-        self.strategy.summary()
+        super().summary()
 
     # ------------------------------------------------------------------ state
-    @property
-    def report(self):
-        return self.strategy.report
-
-    @property
-    def durable_through(self) -> int:
-        return self.strategy.durable_through
-
-    @durable_through.setter
-    def durable_through(self, server_round: int) -> None:
-        self.strategy.durable_through = server_round
-
-    @property
-    def fraction_evaluate(self) -> float:
-        return self.strategy.fraction_evaluate
-
-    @fraction_evaluate.setter
-    def fraction_evaluate(self, fraction: float) -> None:
-        self.strategy.fraction_evaluate = fraction
-
-    @property
-    def run_token(self) -> str:
-        return self.strategy.run_token
-
-    @run_token.setter
-    def run_token(self, token: str) -> None:
-        self.strategy.run_token = token
-
     def state_dict(self) -> dict:
-        return {**self.strategy.state_dict(), "num-clients": self.num_clients}
+        return {**super().state_dict(), "num-clients": self.num_clients}
 
     def state_arrays(self) -> ArrayDict:
         """u_bar, for a checkpoint (empty before round 1)."""
@@ -122,7 +97,7 @@ class FedSPC(Strategy):
 
     def load_state_dict(self, state: dict, completed_round: int,
                         global_reference: ArrayDict | None = None) -> None:
-        self.strategy.load_state_dict(state, completed_round)
+        super().load_state_dict(state, completed_round)
         self.num_clients = int(state.get("num-clients", 0))
         if global_reference:
             if set(global_reference) != set(self.corrected_keys):
@@ -135,27 +110,24 @@ class FedSPC(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Broadcast theta_s^t and u_bar^t (Algorithm 1, step 1)."""
-        self.broadcast = from_record(arrays)
-        if self.global_reference is None:  # u_bar^0 = 0
-            self.global_reference = {
-                key: np.zeros_like(self.broadcast[key], dtype=np.float32)
-                for key in self.corrected_keys
-            }
         config[REFERENCE_UPLOAD] = self.upload
-        messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        if self.global_reference is None:  # u_bar^0 = 0
+            self.global_reference = zeros_like(self.broadcast, self.corrected_keys)
         # K: every client of the run, sampled, connected or not (u_bar is their mean u_k).
-        self.num_clients = self.strategy.num_partitions
+        self.num_clients = self.num_partitions
         reference = to_record(self.global_reference)
         for message in messages:
             message.content[GLOBAL_REFERENCE] = reference
         return messages
 
     def check_reply(self, message: Message) -> str | None:
-        """FedSPC's own requirements on a reply (the inner strategy checks the rest)."""
-        if message.has_error():
-            return None  # reported by the inner check
-        metrics = message.content.metric_records.get(METRICS)
-        steps = metrics.get(SHARED_STEPS) if metrics is not None else None
+        """Why a train reply is unusable: :class:`PersonalizedFedAvg`'s checks, then
+        FedSPC's own (the shared steps E_k, and an uploaded reference change)."""
+        reason = super().check_reply(message)
+        if reason is not None:
+            return reason
+        steps = message.content.metric_records[METRICS].get(SHARED_STEPS)
         if not isinstance(steps, int) or steps <= 0:
             return f"'{SHARED_STEPS}' must be a positive integer, got {steps!r}"
         if self.upload == "explicit":
@@ -182,36 +154,16 @@ class FedSPC(Strategy):
         return reference_change(update, self.global_reference, steps=steps,
                                 learning_rate=self.learning_rate)
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Aggregate theta_s with the inner strategy, then update u_bar (step 4)."""
-        accepted = self.strategy.accept_replies(server_round, replies, self.check_reply)
-        if not accepted:  # the round failed: theta_s and u_bar stay as they were
-            return None, None
-        arrays, metrics = self.strategy.aggregate_accepted(server_round, accepted)
-        total = {key: np.zeros(value.shape, dtype=np.float64)
-                 for key, value in self.global_reference.items()}
-        for message in accepted:
-            for key, value in self.reference_change_of(message).items():
-                total[key] += value
-        num_clients = max(self.num_clients, len(accepted))
-        self.global_reference = {
-            key: (self.global_reference[key] + total[key] / num_clients).astype(np.float32)
-            for key in self.global_reference
-        }
+    def aggregate_accepted(
+        self, server_round: int, accepted: Sequence[Message]
+    ) -> tuple[ArrayRecord, MetricRecord]:
+        """Aggregate theta_s as :class:`PersonalizedFedAvg` does, then update u_bar
+        (step 4); a failed round changes neither."""
+        arrays, metrics = super().aggregate_accepted(server_round, accepted)
+        self.global_reference = global_reference_update(
+            self.global_reference, (self.reference_change_of(m) for m in accepted),
+            num_clients=max(self.num_clients, len(accepted)))
         norm = float(np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2))
                                  for v in self.global_reference.values())))
         metrics["global-reference-norm"] = norm
         return arrays, metrics
-
-    # ---------------------------------------------------------------- evaluation
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
-
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        return self.strategy.aggregate_evaluate(server_round, replies)

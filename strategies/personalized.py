@@ -15,7 +15,7 @@ clients of each client's accuracy on its own test split.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 
@@ -88,6 +88,28 @@ def summed_timings(metrics: Iterable[MetricRecord]) -> dict[str, float]:
             if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
                 totals[key] += float(value)
     return {f"client-{key}": value for key, value in totals.items()}
+
+
+def evaluation_summary(rows: Mapping[int, tuple[int, int, float]]) -> dict[str, float | list]:
+    """The paper's personalized accuracy and its companions, from each evaluated
+    client's ``(correct, examples, loss sum)`` by partition id.
+
+    ``accuracy`` is the mean over clients of each one's accuracy on its own test
+    split; ``weighted-accuracy`` and ``loss`` are over all the test images; the
+    ``client-*`` lists follow ``client-ids`` (ascending partition ids).
+    """
+    ids = sorted(rows)
+    accuracies = [rows[pid][0] / rows[pid][1] for pid in ids]
+    total = sum(rows[pid][1] for pid in ids)
+    return {
+        "accuracy": float(np.mean(accuracies)),
+        "weighted-accuracy": sum(rows[pid][0] for pid in ids) / total,
+        "loss": sum(rows[pid][2] for pid in ids) / total,
+        "clients": len(ids),
+        "client-ids": ids,
+        "client-accuracy": accuracies,
+        "client-examples": [rows[pid][1] for pid in ids],
+    }
 
 
 @dataclass
@@ -291,8 +313,7 @@ class PersonalizedFedAvg(FedAvg):
         self.sampler.learn(message.metadata.src_node_id, partition_id)
         return None
 
-    def accept_replies(self, server_round: int, replies: Iterable[Message],
-                       check: Callable[[Message], str | None] | None = None) -> list[Message]:
+    def accept_replies(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
         """The usable replies in partition order, or none when there are too few (the round
         fails).
 
@@ -303,7 +324,7 @@ class PersonalizedFedAvg(FedAvg):
         report = RoundReport(server_round, sampled)
         accepted, partitions = [], set()
         for message in replies:
-            reason = self.check_reply(message) or (check(message) if check else None)
+            reason = self.check_reply(message)
             if reason is None:
                 partition = message.content.metric_records[METRICS][PARTITION_ID]
                 if partition in partitions:
@@ -421,17 +442,9 @@ class PersonalizedFedAvg(FedAvg):
             self.report.evaluate_dropped = dropped
         if not rows:
             return None
-        ids = sorted(rows)
-        accuracies = [rows[pid][0] / rows[pid][1] for pid in ids]
-        total = sum(rows[pid][1] for pid in ids)
+        summary = evaluation_summary(rows)
         return MetricRecord({
-            "accuracy": float(np.mean(accuracies)),
-            "weighted-accuracy": sum(rows[pid][0] for pid in ids) / total,
-            "loss": sum(rows[pid][2] for pid in ids) / total,
-            "clients": len(ids),
-            "client-ids": ids,
-            "client-accuracy": accuracies,
-            "client-examples": [rows[pid][1] for pid in ids],
+            **summary,
             **summed_timings(records.values()),
-            **global_model_accuracy([records[pid] for pid in ids]),
+            **global_model_accuracy([records[pid] for pid in summary["client-ids"]]),
         })

@@ -22,7 +22,7 @@ from fedspc_app.core.config import RunConfig
 from fedspc_app.core.methods import get_method
 from fedspc_app.core.records import to_record
 from fedspc_app.core.task import parameter_split
-from strategies import FedSPC, PersonalizedFedAvg
+from strategies import FedSPC
 
 ETA = 0.1
 CLIENTS = {0: (1.0, 2.0), 1: (2.0, -1.0)}  # partition id -> (x, y)
@@ -181,8 +181,8 @@ def test_fedspc_server_rounds_by_hand(task_identity):
     from flwr.app import ConfigRecord
 
     cfg = config(fedspc=True, method="fedper")
-    strategy = FedSPC(PersonalizedFedAvg(shared_keys=["body.weight"]),
-                      corrected_keys=["body.weight"], learning_rate=ETA)
+    strategy = FedSPC(shared_keys=["body.weight"], corrected_keys=["body.weight"],
+                      learning_rate=ETA)
     start = to_record({"body.weight": np.array([[0.5]], dtype=np.float32)})
     messages = list(strategy.configure_train(1, start, ConfigRecord(), TwoNodes()))
     reference = messages[0].content.array_records["global-reference"]

@@ -132,8 +132,8 @@ def test_replies_teach_the_partition_of_a_node():
 def test_fedspc_divides_by_the_runs_clients_not_by_the_connected_nodes():
     # Three clients in the run; the grid also lists a stale fourth node id. One client
     # trains, with a reference change c: u_bar must become c / 3.
-    inner = PersonalizedFedAvg(shared_keys=["w"], num_partitions=3)
-    strategy = FedSPC(inner, corrected_keys=["w"], learning_rate=0.5, upload="explicit")
+    strategy = FedSPC(shared_keys=["w"], num_partitions=3, corrected_keys=["w"],
+                      learning_rate=0.5, upload="explicit")
     grid = Nodes(with_ids([1, 2, 3, 4]))
     messages = list(strategy.configure_train(
         1, ArrayRecord({"w": to_record({"w": np.zeros(2, np.float32)})["w"]}),
@@ -145,6 +145,6 @@ def test_fedspc_divides_by_the_runs_clients_not_by_the_connected_nodes():
         "metrics": MetricRecord({"num-examples": 4, "partition-id": 0, "shared-steps": 2})}),
         reply_to=messages[0])
     reply.metadata.__dict__["_src_node_id"] = messages[0].metadata.dst_node_id
-    strategy.strategy.min_train_replies = 0.1
+    strategy.min_train_replies = 0.1
     strategy.aggregate_train(1, [reply])
     np.testing.assert_allclose(strategy.global_reference["w"], change / 3)

@@ -490,9 +490,9 @@ ETA = 0.1
 
 def fedspc(upload: str = "derived", fraction_train: float = 1.0,
            num_partitions: int = 3) -> FedSPC:
-    inner = PersonalizedFedAvg(shared_keys=[WK, BN], fraction_train=fraction_train,
-                               num_partitions=num_partitions)
-    return FedSPC(inner, corrected_keys=[WK], learning_rate=ETA, upload=upload)
+    return FedSPC(shared_keys=[WK, BN], fraction_train=fraction_train,
+                  num_partitions=num_partitions, corrected_keys=[WK], learning_rate=ETA,
+                  upload=upload)
 
 
 def spc_reply(final_w, bn: int, steps: int | None, node: int,
@@ -507,15 +507,13 @@ def spc_reply(final_w, bn: int, steps: int | None, node: int,
 
 
 def test_corrected_keys_outside_the_shared_keys_are_rejected():
-    inner = PersonalizedFedAvg(shared_keys=[WK, BN])
     with pytest.raises(ValueError, match="head.weight"):
-        FedSPC(inner, corrected_keys=[WK, "head.weight"], learning_rate=ETA)
+        FedSPC(shared_keys=[WK, BN], corrected_keys=[WK, "head.weight"], learning_rate=ETA)
 
 
 def test_unknown_upload_mode_is_rejected():
-    inner = PersonalizedFedAvg(shared_keys=[WK, BN])
     with pytest.raises(ValueError, match="upload"):
-        FedSPC(inner, corrected_keys=[WK], learning_rate=ETA, upload="both")
+        FedSPC(shared_keys=[WK, BN], corrected_keys=[WK], learning_rate=ETA, upload="both")
 
 
 @pytest.mark.parametrize("upload", ["derived", "explicit"])
@@ -812,8 +810,7 @@ def test_fedspc_error_reply_is_dropped():
 
 
 def test_fedspc_evaluation_is_delegated():
-    inner = PersonalizedFedAvg(shared_keys=[WK, BN])
-    server = FedSPC(inner, corrected_keys=[WK], learning_rate=ETA)
+    server = FedSPC(shared_keys=[WK, BN], corrected_keys=[WK], learning_rate=ETA)
     result = server.aggregate_evaluate(2, [eval_reply(0, 3, 4, 1.0),
                                            eval_reply(1, 1, 4, 3.0)])
     assert result["accuracy"] == pytest.approx(0.5)
@@ -829,5 +826,5 @@ def test_fedspc_state_round_trips_through_a_checkpoint():
     restored.load_state_dict(server.state_dict(), 1, global_reference=server.state_arrays())
     assert restored.num_clients == 4
     np.testing.assert_array_equal(restored.global_reference[WK], server.global_reference[WK])
-    assert restored.strategy.accepted_rounds == server.strategy.accepted_rounds
+    assert restored.accepted_rounds == server.accepted_rounds
     assert restored.durable_through == 1

@@ -3,7 +3,9 @@
 Both sides compute the shared update and the reference change with these
 functions, on the same float32 arrays (the server's broadcast and the client's
 reply), so a reference change derived by the server is bit-identical to the one
-the client applies to its own ``u_k``.
+the client applies to its own ``u_k``. The server's update of ``u_bar`` from the
+clients' changes is :func:`global_reference_update`, used by the FedSPC strategy and
+by the plain loop (:mod:`fedspc_app.serial`) alike.
 
 Notation (the paper's Algorithm 1): ``theta_s`` the shared parameters, ``u_bar``
 the server's global drift reference, ``u_k`` client k's local reference, ``E`` the
@@ -57,3 +59,23 @@ def zeros_like(arrays: Mapping[str, np.ndarray], keys: Iterable[str]) -> ArrayDi
 def add(base: Mapping[str, np.ndarray], change: Mapping[str, np.ndarray]) -> ArrayDict:
     """``base + change`` key by key (float32)."""
     return {key: np.add(base[key], change[key], dtype=np.float32) for key in base}
+
+
+def global_reference_update(global_reference: Mapping[str, np.ndarray],
+                            changes: Iterable[Mapping[str, np.ndarray]],
+                            num_clients: int) -> ArrayDict:
+    """``u_bar^{t+1} = u_bar^t + (1/K) sum_{k in S_t} (u_k^{t+1} - u_k^t)`` (Algorithm 1,
+    step 4), the server's side of :func:`reference_change`.
+
+    ``changes`` are the reference changes of the clients that trained this round,
+    taken one at a time (memory stays at one client's change) and summed in float64
+    in the order given; ``num_clients`` is K, every client of the run, so u_bar stays
+    the mean of all the u_k under partial participation. The result is float32.
+    """
+    total = {key: np.zeros(value.shape, dtype=np.float64)
+             for key, value in global_reference.items()}
+    for change in changes:
+        for key, value in change.items():
+            total[key] += value
+    return {key: (global_reference[key] + total[key] / num_clients).astype(np.float32)
+            for key in global_reference}
