@@ -27,10 +27,9 @@ from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.files import folder_lock
 from fedspc_app.core.pause import PAUSE_REQUEST, request_pause
+from fedspc_app.core.protocol import ARRAYS, GLOBAL_REFERENCE, METRICS
+from fedspc_app.core.records import from_record
 from fedspc_app.core.results import RunRecorder
-from fedspc_app.core.task import from_record
-from strategies.fedspc import GLOBAL_REFERENCE
-from strategies.personalized import ARRAYS, METRICS
 
 K = 3
 BASE = {"method": "fedrep", "fedspc": True, "num-rounds": 3, "local-epochs": 1,

@@ -26,8 +26,8 @@ from fedspc_app.core.config import RunConfig
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.files import atomic_open, atomic_write
 from fedspc_app.core.pause import RunPaused, clear_pause, pause_requested
+from fedspc_app.core.records import ArrayDict, from_record
 from fedspc_app.core.results import CHECKPOINT_SECONDS, RunRecorder, read_summary
-from fedspc_app.core.task import from_record
 
 CHECKPOINT_JSON = "checkpoint.json"
 FORMAT_VERSION = 1
@@ -41,7 +41,6 @@ MAY_CHANGE = frozenset({
     "round-timeout", "min-train-replies", "max-failed-rounds", "keep-client-state",
 })
 
-ArrayDict = dict[str, np.ndarray]
 
 
 def fingerprint(config: RunConfig, num_clients: int) -> dict[str, Any]:

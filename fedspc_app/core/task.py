@@ -25,10 +25,7 @@ from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.methods import Block, Method
 from fedspc_app.core.models import build_model, split_body_head
 from fedspc_app.core.partition import Partition, dirichlet_partition
-
-# from_record: re-exported for fedspc_app.core.checkpoint and tests/test_faults.py,
-# which still import it from here; everything else imports fedspc_app.core.records.
-from fedspc_app.core.records import ArrayDict, from_record  # noqa: F401
+from fedspc_app.core.records import ArrayDict
 
 
 def state_arrays(model: nn.Module, keys: Iterable[str]) -> ArrayDict:
