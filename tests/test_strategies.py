@@ -109,6 +109,17 @@ GOOD_B = {W: f32(3.0, 4.0, 7.0), B: f32(2.0), NBT: np.array(14, dtype=np.int64)}
 
 
 # ========================================================= PersonalizedFedAvg
+
+def assert_mean_of_the_good_pair(arrays, metrics) -> None:
+    """The aggregate of GOOD_A and GOOD_B (10 and 30 examples): their plain mean."""
+    out = arrays_of(arrays)
+    assert set(out) == set(SHARED)
+    np.testing.assert_allclose(out[W], [2.0, 3.0, 5.0])
+    np.testing.assert_allclose(out[B], [1.5])
+    assert out[NBT] == 12
+    assert metrics["clients"] == 2
+    assert metrics["num-examples"] == 40
+
 def test_unweighted_mean_is_the_default():
     # Prepare
     server = strategy()
@@ -119,13 +130,7 @@ def test_unweighted_mean_is_the_default():
     arrays, metrics = server.aggregate_train(1, replies)
 
     # Assert: (a + b) / 2, whatever the sample counts
-    out = arrays_of(arrays)
-    assert set(out) == set(SHARED)
-    np.testing.assert_allclose(out[W], [2.0, 3.0, 5.0])
-    np.testing.assert_allclose(out[B], [1.5])
-    assert out[NBT] == 12
-    assert metrics["clients"] == 2
-    assert metrics["num-examples"] == 40
+    assert_mean_of_the_good_pair(arrays, metrics)
     assert metrics["train-loss"] == pytest.approx(2.0)
 
 
@@ -258,13 +263,7 @@ def test_bad_reply_is_dropped_and_the_others_aggregated(kind):
     arrays, metrics = server.aggregate_train(1, replies)
 
     # Assert: the result is the mean of the two good ones only
-    out = arrays_of(arrays)
-    assert set(out) == set(SHARED)
-    np.testing.assert_allclose(out[W], [2.0, 3.0, 5.0])
-    np.testing.assert_allclose(out[B], [1.5])
-    assert out[NBT] == 12
-    assert metrics["clients"] == 2
-    assert metrics["num-examples"] == 40
+    assert_mean_of_the_good_pair(arrays, metrics)
 
 
 @pytest.mark.parametrize("kind", BAD_KINDS)
