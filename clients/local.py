@@ -26,10 +26,10 @@ from fedspc_app.core.correction import add, reference_change, shared_update, zer
 from fedspc_app.core.errors import DivergenceError
 from fedspc_app.core.methods import Method
 from fedspc_app.core.protocol import LOCAL_CORRECT, LOCAL_EXAMPLES, SHARED_STEPS
+from fedspc_app.core.split import ParameterSplit
 from fedspc_app.core.task import (
     ArrayDict,
     ClientData,
-    ParameterSplit,
     load_arrays,
     seeded_generator,
     state_arrays,

@@ -54,13 +54,12 @@ from fedspc_app.core.protocol import (
     WORK_SECONDS,
 )
 from fedspc_app.core.records import from_record, to_record
+from fedspc_app.core.split import ParameterSplit, parameter_split
 from fedspc_app.core.task import (
     ClientData,
-    ParameterSplit,
     client_data,
     initial_model,
     load_partition,
-    parameter_split,
 )
 
 app = ClientApp()

@@ -34,13 +34,13 @@ from clients.local import uses_control_variates
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.correction import global_reference_update, zeros_like
 from fedspc_app.core.methods import get_method
+from fedspc_app.core.split import parameter_split
 from fedspc_app.core.task import (
     client_data,
     load_arrays,
     load_partition,
     load_run_dataset,
     make_model,
-    parameter_split,
     state_arrays,
 )
 from strategies.personalized import evaluation_summary, mean_arrays

@@ -35,12 +35,11 @@ from fedspc_app.core.precision import emulation_warning, precision_report
 from fedspc_app.core.protocol import ACCEPTED_ROUNDS, DEPLOYMENT, NUM_CLIENTS
 from fedspc_app.core.records import to_record
 from fedspc_app.core.results import RunRecorder, TrafficGrid, read_summary
+from fedspc_app.core.split import ParameterSplit, parameter_split
 from fedspc_app.core.task import (
     DatasetShape,
-    ParameterSplit,
     load_partition,
     make_model,
-    parameter_split,
     resolve_device,
     state_arrays,
 )

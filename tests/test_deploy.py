@@ -42,12 +42,12 @@ from fedspc_app.client_app import node_run_config
 from fedspc_app.core.config import DATASETS, parse_run_config
 from fedspc_app.core.datasets import load_dataset
 from fedspc_app.core.methods import get_method
+from fedspc_app.core.split import parameter_split
 from fedspc_app.core.task import (
     KNOWN_SHAPES,
     dataset_shape,
     load_partition,
     make_model,
-    parameter_split,
 )
 from fedspc_app.launch.processes import (
     LaunchFailed,

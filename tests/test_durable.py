@@ -37,7 +37,11 @@ from fedspc_app.core.datasets import load_dataset
 from fedspc_app.core.methods import get_method
 from fedspc_app.core.protocol import ARRAYS, GLOBAL_REFERENCE, METRICS
 from fedspc_app.core.records import from_record, to_record
-from fedspc_app.core.task import make_model, parameter_split, state_arrays
+from fedspc_app.core.split import parameter_split
+from fedspc_app.core.task import (
+    make_model,
+    state_arrays,
+)
 
 
 def sample_state(rounds: int = 3) -> ClientState:

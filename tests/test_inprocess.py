@@ -26,7 +26,12 @@ from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.datasets import load_dataset
 from fedspc_app.core.methods import METHODS, get_method
 from fedspc_app.core.records import from_record
-from fedspc_app.core.task import client_data, load_arrays, make_model, parameter_split
+from fedspc_app.core.split import parameter_split
+from fedspc_app.core.task import (
+    client_data,
+    load_arrays,
+    make_model,
+)
 from fedspc_app.core.training import evaluate_model
 from fedspc_app.serial import run_serial
 

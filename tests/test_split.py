@@ -16,7 +16,8 @@ from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.datasets import load_dataset
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.methods import METHODS, Method, Phase, get_method, register
-from fedspc_app.core.task import make_model, parameter_split
+from fedspc_app.core.split import parameter_split
+from fedspc_app.core.task import make_model
 
 CONV = ("features.conv1.weight", "features.conv1.bias",
         "features.conv2.weight", "features.conv2.bias")

@@ -1,0 +1,128 @@
+"""How a method splits a model: the shared and personal sets of state-dict keys.
+
+The body/head split comes from the model (:func:`fedspc_app.core.models.split_body_head`);
+a method shares its body, its head or everything (:mod:`fedspc_app.core.methods`), and a
+run-config may declare its own split with key patterns (``shared-keys``,
+``personal-keys``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from torch import nn
+
+from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.methods import Block, Method
+from fedspc_app.core.models import split_body_head
+
+
+@dataclass(frozen=True)
+class ParameterSplit:
+    """How one method splits one model.
+
+    Attributes
+    ----------
+    body, head : tuple[str, ...]
+        State-dict keys of the feature extractor and the classifier (with a declared
+        split: the method's shared block and the other one, see :func:`parameter_split`).
+    shared : tuple[str, ...]
+        State-dict keys aggregated by the server (parameters and buffers).
+    personal : tuple[str, ...]
+        Every other key; kept by the client, never sent.
+    parameters : frozenset[str]
+        Names of the trainable parameters (state-dict keys that are not buffers).
+    """
+
+    body: tuple[str, ...]
+    head: tuple[str, ...]
+    shared: tuple[str, ...]
+    personal: tuple[str, ...]
+    parameters: frozenset[str]
+
+    def block(self, block: Block) -> tuple[str, ...]:
+        """State-dict keys of ``"body"``, ``"head"`` or ``"all"``."""
+        return {"body": self.body, "head": self.head, "all": self.body + self.head}[block]
+
+    def trainable(self, block: Block) -> tuple[str, ...]:
+        """Trainable parameter names of a block."""
+        return tuple(key for key in self.block(block) if key in self.parameters)
+
+    @property
+    def corrected(self) -> tuple[str, ...]:
+        """The shared trainable parameters: the keys of u_k and u_bar."""
+        return tuple(key for key in self.shared if key in self.parameters)
+
+
+def parse_patterns(text: str) -> tuple[str, ...]:
+    """The comma-separated glob patterns of a ``shared-keys``/``personal-keys`` value."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def declared_split(keys: Iterable[str], shared: str = "",
+                   personal: str = "") -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(shared, personal)`` state-dict keys from glob patterns (``fnmatch``, case-sensitive).
+
+    One side may be left empty: it is then every key the other side does not match. Each
+    pattern must match a key, no key may be on both sides, and every key on one of them.
+    """
+    keys = tuple(keys)
+    sides = {"shared-keys": parse_patterns(shared), "personal-keys": parse_patterns(personal)}
+    matched: dict[str, set[str]] = {}
+    for name, patterns in sides.items():
+        matched[name] = set()
+        for pattern in patterns:
+            hits = fnmatch.filter(keys, pattern)
+            if not hits:
+                raise ConfigError(
+                    f"run-config '{name}': pattern {pattern!r} matches no state-dict key "
+                    f"of the model (keys look like: {', '.join(keys[:4])}, ...)")
+            matched[name].update(hits)
+    if sides["shared-keys"] and sides["personal-keys"]:
+        both = [key for key in keys if key in matched["shared-keys"] & matched["personal-keys"]]
+        if both:
+            raise ConfigError(f"run-config 'shared-keys' and 'personal-keys' both match "
+                              f"{', '.join(both[:4])}; a key is either shared or personal")
+        neither = [key for key in keys
+                   if key not in matched["shared-keys"] | matched["personal-keys"]]
+        if neither:
+            raise ConfigError(f"run-config 'shared-keys' and 'personal-keys' leave "
+                              f"{', '.join(neither[:4])} unassigned; every key must be on "
+                              "one side")
+    if sides["shared-keys"]:
+        shared_set = matched["shared-keys"]
+    elif sides["personal-keys"]:
+        shared_set = set(keys) - matched["personal-keys"]
+    else:
+        raise ConfigError("run-config 'shared-keys'/'personal-keys' hold no pattern")
+    return (tuple(key for key in keys if key in shared_set),
+            tuple(key for key in keys if key not in shared_set))
+
+
+def parameter_split(model: nn.Module, method: Method, *, shared_keys: str = "",
+                    personal_keys: str = "") -> ParameterSplit:
+    """Split ``model``'s state-dict keys for ``method``.
+
+    By default the split is the method's (the paper's Table 2). With ``shared_keys`` or
+    ``personal_keys`` (the run-config's patterns, see :func:`declared_split`) the declared
+    split replaces it, and the method's phases keep their roles: the block the method
+    shares ("body", or "head" for LG-FedAvg) is the declared shared set, the other block the
+    declared personal set.
+    """
+    parameters = frozenset(name for name, _ in model.named_parameters())
+    keys = tuple(model.state_dict())
+    if shared_keys.strip() or personal_keys.strip():
+        shared, personal = declared_split(keys, shared_keys, personal_keys)
+        body, head = (personal, shared) if method.shared == "head" else (shared, personal)
+        if not any(key in parameters for key in shared):
+            raise ConfigError("the declared shared block has no trainable parameter; "
+                              "nothing would be learned together")
+        return ParameterSplit(body, head, shared, personal, parameters)
+    body, head = split_body_head(model)
+    everything = body + head
+    shared_set = set({"all": everything, "body": body, "head": head}[method.shared])
+    personal = tuple(key for key in keys if key not in shared_set)
+    shared = tuple(key for key in keys if key in shared_set)
+    return ParameterSplit(body, head, shared, personal, parameters)
