@@ -29,13 +29,14 @@ import numpy as np
 import pytest
 from flwr.app import Context, RecordDict
 from inprocess import InProcessGrid
+from ray_cluster import ray_head_process, ray_worker_process
 from test_data import _write_cifar10
 
 from clients.durable import DurableState
 from deploy.connection import write_connection
 from deploy.loopback import CONNECTED, LoopbackDeployment
 from deploy.pki import create_certificates, create_node_key
-from deploy.processes import ray_head_process, ray_worker_process, wait_healthy
+from deploy.processes import wait_healthy
 from fedspc_app import client_app, server_app
 from fedspc_app import deployment as deployment_module
 from fedspc_app.client_app import node_run_config
