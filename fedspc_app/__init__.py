@@ -5,4 +5,4 @@ import time as _time
 IMPORT_STARTED_AT = _time.time()
 """When this process began importing the package (a wall-clock epoch): in a
 simulation's worker, the start of loading the ClientApp (see
-``fedspc_app.client_app.first_message_times``)."""
+``fedspc_app.core.startup.first_message_times``)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import os
 import time
 from dataclasses import dataclass, replace
 from logging import INFO, WARNING
@@ -23,13 +22,12 @@ from clients.state import (
     Decisions,
 )
 from fedspc_app import IMPORT_STARTED_AT
+from fedspc_app.core import startup
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.protocol import (
     ACCEPTED_ROUNDS,
-    APP_IMPORT_STARTED_AT,
-    APP_IMPORTED_AT,
     ARRAYS,
     CONFIG,
     DEPLOYMENT,
@@ -37,13 +35,11 @@ from fedspc_app.core.protocol import (
     GLOBAL_CORRECT,
     GLOBAL_EXAMPLES,
     GLOBAL_REFERENCE,
-    HANDLER_STARTED_AT,
     METRICS,
     NODE_QUERY,
     NUM_CLIENTS,
     PARTITION_ID,
     PARTITION_QUERY,
-    PROCESS_STARTED_AT,
     QUERY,
     REFERENCE_CHANGE,
     REFERENCE_UPLOAD,
@@ -226,37 +222,9 @@ def timings(started: float, working: float, finished: float) -> dict[str, float]
     return {SETUP_SECONDS: working - started, WORK_SECONDS: finished - working}
 
 
-def process_started_at() -> float | None:
-    """This process's start as a wall-clock epoch (Linux ``/proc``; None elsewhere)."""
-    try:
-        with open("/proc/self/stat", encoding="ascii") as stat:
-            # Field 22, counted after the parenthesised command name: clock ticks
-            # since boot.
-            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat", encoding="ascii") as boot:
-            booted = next(int(line.split()[1]) for line in boot
-                          if line.startswith("btime "))
-        return booted + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
-_FIRST_MESSAGE = {"pending": True}
-
-
 def first_message_times(handler_started_at: float) -> dict[str, float]:
-    """On the first message this process handles: when the process started, when it
-    began and finished importing this module, and when the handler started
-    (wall-clock epochs); on later messages nothing."""
-    if not _FIRST_MESSAGE["pending"]:
-        return {}
-    _FIRST_MESSAGE["pending"] = False
-    started = process_started_at()
-    times = {HANDLER_STARTED_AT: handler_started_at,
-             APP_IMPORT_STARTED_AT: IMPORT_STARTED_AT, APP_IMPORTED_AT: IMPORTED_AT}
-    if started is not None:
-        times[PROCESS_STARTED_AT] = started
-    return times
+    """:func:`fedspc_app.core.startup.first_message_times` of this module's import."""
+    return startup.first_message_times(handler_started_at, IMPORT_STARTED_AT, IMPORTED_AT)
 
 
 @app.train()

@@ -21,7 +21,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedspc_app.core.protocol import CONFIG, NUM_CLIENTS, QUERY, WARM_UP_QUERY
-from strategies.rounds import worker_startup
+from fedspc_app.core.startup import worker_startup
 
 
 @dataclass
@@ -50,7 +50,7 @@ def finish(grid: Grid, warm_up: WarmUp, timeout: float) -> dict[str, float]:
     Returns what the run records of it: seconds from the send until every reply was
     in (``seconds``), seconds the server waited for them after its own preparation
     (``waited-seconds``), and the new worker processes' start-up
-    (:func:`strategies.rounds.worker_startup`). A failed warm-up is logged and not
+    (:func:`fedspc_app.core.startup.worker_startup`). A failed warm-up is logged and not
     fatal: round 1 meets the same problem and the round failure policy reports it.
     """
     waited_from = time.monotonic()

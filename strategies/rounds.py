@@ -20,13 +20,10 @@ from flwr.supercore import log
 
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.protocol import (
-    APP_IMPORT_STARTED_AT,
-    APP_IMPORTED_AT,
-    HANDLER_STARTED_AT,
-    METRICS,
-    PROCESS_STARTED_AT,
     TIMINGS,
 )
+from fedspc_app.core.records import reply_metrics
+from fedspc_app.core.startup import worker_startup
 from strategies.personalized import RoundReport
 
 Trained = Callable[[int, ArrayRecord, MetricRecord | None, RoundReport], None]
@@ -36,24 +33,8 @@ RoundEnd = Callable[[int, MetricRecord | None, MetricRecord | None, RoundReport 
 # Wall seconds of a round's training or evaluation phase: from sending the messages
 # to the end of the aggregation.
 PHASE_SECONDS = "phase-seconds"
-# In a phase that met new ClientApp processes (a simulation's round 1): seconds from
-# sending its messages until the last new process had started, and until the last
-# one began handling its first message (see worker_startup).
-WORKER_START_SECONDS, WORKER_READY_SECONDS = "worker-start-seconds", "worker-ready-seconds"
-# Of those: the longest a new process took to import the ClientApp module, and
-# seconds from sending until the last had imported it.
-WORKER_IMPORT_SECONDS, WORKER_IMPORTED_SECONDS = "worker-import-seconds", "worker-imported-seconds"
-
-
 class TooManyFailedRounds(FedSPCError):
     """``max-failed-rounds`` rounds in a row failed."""
-
-
-def reply_metrics(reply: Message) -> MetricRecord | None:
-    """A reply's metrics record, or None for an error reply or one without it."""
-    if reply.has_error() or METRICS not in reply.content.metric_records:
-        return None
-    return reply.content.metric_records[METRICS]
 
 
 def expected_seconds(reply: Message) -> float | None:
@@ -101,45 +82,6 @@ def dispatch_waves(messages: list[Message], expected: Mapping[int, float] | None
         waves.append(ordered[start:end])
         start = end
     return waves
-
-
-def worker_startup(replies: Iterable[Message], sent_at: float) -> dict[str, float]:
-    """How long the new ClientApp processes of a phase sent at ``sent_at`` (a
-    wall-clock epoch) took to come up, from the replies to their first message.
-
-    ``worker-start-seconds``: until the last of them had started (0 for processes
-    that were already running: in a simulation, Ray and its workers starting);
-    ``worker-ready-seconds``: until the last began its first handler (the start, then
-    loading the ClientApp and its imports, and waiting for a message);
-    ``worker-import-seconds``: the longest any of them spent importing the ClientApp
-    module, and ``worker-imported-seconds``: until the last had imported it (both
-    part of the time to ready). Empty when no reply is a process's first.
-    Both sides must share a clock: a simulation.
-    """
-    started, ready, imports, imported = [], [], [], []
-    for reply in replies:
-        metrics = reply_metrics(reply)
-        handler = None if metrics is None else metrics.get(HANDLER_STARTED_AT)
-        if not isinstance(handler, float) or not math.isfinite(handler):
-            continue
-        ready.append(max(0.0, handler - sent_at))
-        process = metrics.get(PROCESS_STARTED_AT)
-        if isinstance(process, float) and math.isfinite(process):
-            started.append(max(0.0, process - sent_at))
-        began, done = metrics.get(APP_IMPORT_STARTED_AT), metrics.get(APP_IMPORTED_AT)
-        if (isinstance(began, float) and isinstance(done, float)
-                and math.isfinite(done - began)):
-            imports.append(max(0.0, done - began))
-            imported.append(max(0.0, done - sent_at))
-    out = {}
-    if started:
-        out[WORKER_START_SECONDS] = max(started)
-    if ready:
-        out[WORKER_READY_SECONDS] = max(ready)
-    if imports:
-        out[WORKER_IMPORT_SECONDS] = max(imports)
-        out[WORKER_IMPORTED_SECONDS] = max(imported)
-    return out
 
 
 def exchange(grid: Grid, messages: Iterable[Message], *, timeout: float | None,

@@ -8,6 +8,7 @@ import pytest
 from flwr.app import Message, MessageType, MetricRecord, RecordDict
 from virtual_clock import Clock
 
+from fedspc_app.core import startup
 from strategies import rounds
 from strategies.rounds import exchange, expected_seconds
 
@@ -214,8 +215,8 @@ def test_worker_startup_is_read_from_the_replies_to_a_process_first_message():
                         "app-import-started-at": sent - 59.0, "app-imported-at": sent - 58.0}),
         _timed_reply(**{"work-seconds": 3.0}),  # a process's later message
     ]
-    assert rounds.worker_startup(replies, sent) == {"worker-start-seconds": 2.5,
+    assert startup.worker_startup(replies, sent) == {"worker-start-seconds": 2.5,
                                                     "worker-ready-seconds": 4.0,
                                                     "worker-import-seconds": 1.0,
                                                     "worker-imported-seconds": 3.5}
-    assert rounds.worker_startup(replies[2:], sent) == {}
+    assert startup.worker_startup(replies[2:], sent) == {}

@@ -22,6 +22,7 @@ from flwr.app import Context, MessageType, RecordDict
 from inprocess import InProcessGrid
 
 from fedspc_app import client_app, server_app
+from fedspc_app.core import startup
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.datasets import load_dataset
 from fedspc_app.core.methods import METHODS, get_method
@@ -57,7 +58,7 @@ def run_app(method: str, fedspc: bool, clients: int = NUM_CLIENTS,
     # A process's first message carries when the process started (bytes no later run
     # carries); spend it here so that every cached run's traffic is comparable,
     # whichever test runs first in this process.
-    client_app._FIRST_MESSAGE["pending"] = False
+    startup._FIRST_MESSAGE["pending"] = False
     grid = InProcessGrid(client_app.app, clients, run_config)
     server_app.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
                                   run_config=run_config))
@@ -364,7 +365,7 @@ def test_a_method_without_a_personal_model_ignores_evaluate_global_model():
 
 def test_only_a_process_first_message_reports_when_the_process_and_handler_started(
         monkeypatch):
-    monkeypatch.setitem(client_app._FIRST_MESSAGE, "pending", True)
+    monkeypatch.setitem(startup._FIRST_MESSAGE, "pending", True)
     first = client_app.first_message_times(123.0)
     assert first["handler-started-at"] == 123.0
     assert first["process-started-at"] <= time.time()
@@ -380,7 +381,7 @@ def test_a_process_start_is_read_as_a_wall_clock_epoch():
 
     spawned = time.time()
     child = subprocess.run(
-        [sys.executable, "-c", "import fedspc_app.client_app as c; print(c.process_started_at())"],
+        [sys.executable, "-c", "import fedspc_app.core.startup as s; print(s.process_started_at())"],
         capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
     # /proc gives the boot time in whole seconds and the start in clock ticks.
     assert abs(float(child.stdout) - spawned) < 2.0

@@ -45,7 +45,7 @@ SETUP_SECONDS, WORK_SECONDS = "setup-seconds", "work-seconds"
 TIMINGS = (SETUP_SECONDS, WORK_SECONDS)
 # On the first message a ClientApp process handles, and only then: wall-clock epochs of
 # the process's start and of that handler's start. The server turns them into how
-# long new workers took to come up (strategies.rounds.worker_startup); meaningful
+# long new workers took to come up (fedspc_app.core.startup.worker_startup); meaningful
 # where server and clients share a clock (a simulation, one machine).
 PROCESS_STARTED_AT, HANDLER_STARTED_AT = "process-started-at", "handler-started-at"
 # With them: when the process began and finished importing the ClientApp module
