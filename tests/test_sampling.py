@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import (
-    ArrayRecord,
-    ConfigRecord,
-    Message,
-    MessageType,
-    MetricRecord,
-    RecordDict,
-)
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from virtual_clock import Clock
 
 from fedspc_app.core.protocol import NODE_QUERY

@@ -130,10 +130,8 @@ class CifarVGG11(nn.Module):
 
     Parameters
     ----------
-    num_classes : int
-        Number of output classes.
-    in_chans : int
-        Number of input channels.
+    num_classes, in_chans : int
+        Output classes and input channels.
     width : float
         Factor on every convolution's channels (default: 1.0, the standard VGG-11).
 
