@@ -6,7 +6,10 @@ which lives in Flower's ``context.state`` and is committed only after a round
 succeeded.
 """
 
-from clients.local import EvaluateOutcome, TrainOutcome, evaluate_client, train_client
+from clients.local import ClientJob, EvaluateOutcome, TrainOutcome, evaluate_client, train_client
 from clients.state import ClientState
 
-__all__ = ["ClientState", "EvaluateOutcome", "TrainOutcome", "evaluate_client", "train_client"]
+__all__ = [
+    "ClientJob", "ClientState", "EvaluateOutcome", "TrainOutcome", "evaluate_client",
+    "train_client",
+]

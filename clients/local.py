@@ -25,7 +25,15 @@ from fedspc_app.core.config import RunConfig
 from fedspc_app.core.correction import add, reference_change, shared_update, zeros_like
 from fedspc_app.core.errors import DivergenceError
 from fedspc_app.core.methods import Method
-from fedspc_app.core.protocol import LOCAL_CORRECT, LOCAL_EXAMPLES, SHARED_STEPS
+from fedspc_app.core.protocol import (
+    EXAMPLES_SEEN,
+    LOCAL_CORRECT,
+    LOCAL_EXAMPLES,
+    NUM_EXAMPLES,
+    ROUNDS_TRAINED,
+    SHARED_STEPS,
+    TRAIN_LOSS,
+)
 from fedspc_app.core.split import ParameterSplit
 from fedspc_app.core.task import (
     ArrayDict,
@@ -120,40 +128,60 @@ def assemble(model: nn.Module, split: ParameterSplit, received: Mapping[str, np.
     return model
 
 
-def train_client(
-    *,
-    config: RunConfig,
-    method: Method,
-    model: nn.Module,
-    split: ParameterSplit,
-    received: Mapping[str, np.ndarray],
-    state: ClientState,
-    data: ClientData,
-    global_reference: Mapping[str, np.ndarray] | None = None,
-    server_round: int = 1,
-    partition_id: int = 0,
-    loss_fn: LossFn = F.cross_entropy,
-) -> TrainOutcome:
-    """Run one round of ``method``'s local training on this client.
+@dataclass(frozen=True)
+class ClientJob:
+    """One client's work in one round: what :func:`train_client` and
+    :func:`evaluate_client` take.
 
-    Parameters
+    Attributes
     ----------
     model : nn.Module
         A freshly built model of the run (its personalized entries are replaced by
         the client's state when there is one).
     received : dict
         The shared entries broadcast by the server, ``theta_s^t``.
+    state : ClientState
+        The client's committed state (personalized entries, ``u_k``, personal model).
+    """
+
+    config: RunConfig
+    method: Method
+    model: nn.Module
+    split: ParameterSplit
+    received: Mapping[str, np.ndarray]
+    state: ClientState
+    data: ClientData
+    server_round: int = 1
+    partition_id: int = 0
+
+    def generator(self, purpose: str) -> torch.Generator:
+        """The seeded generator of this client's batches for ``purpose``."""
+        return seeded_generator(self.config.seed, self.server_round, self.partition_id,
+                                purpose)
+
+
+def train_client(
+    job: ClientJob,
+    global_reference: Mapping[str, np.ndarray] | None = None,
+    loss_fn: LossFn = F.cross_entropy,
+) -> TrainOutcome:
+    """Run one round of ``job.method``'s local training on this client.
+
+    Parameters
+    ----------
     global_reference : dict | None
         ``u_bar^t`` (SCAFFOLD's ``c``) over ``split.corrected``; required when the
         control variates are on.
     loss_fn : callable
         The local objective's data term (default: cross-entropy).
     """
+    config, method, split, state, data = job.config, job.method, job.split, job.state, job.data
+    received, server_round, partition_id = job.received, job.server_round, job.partition_id
     correct_shared = uses_control_variates(method, config)
     if correct_shared and global_reference is None:
         raise ValueError("the control variates are on but no global reference was sent")
     device = data.device
-    model = assemble(model, split, received, state).to(device)
+    model = assemble(job.model, split, received, state).to(device)
     personal_model = None
     if method.personal_model:
         personal_model = copy.deepcopy(model)
@@ -170,8 +198,7 @@ def train_client(
         }
     anchor = _tensors(received, [k for k in split.shared if k in split.parameters], device)
 
-    generator = seeded_generator(config.seed, server_round, partition_id, "train")
-    batches = data.batches("train", generator)
+    batches = data.batches("train", job.generator("train"))
     shared_steps = 0
     last_loss = float("nan")
     examples_seen = 0
@@ -191,13 +218,9 @@ def train_client(
                 batches,
                 epochs=int(getattr(config, phase.epochs)),
                 trainable=trainable,
-                learning_rate=config.learning_rate,
-                momentum=config.momentum,
-                weight_decay=config.weight_decay,
                 hooks=hooks,
                 loss_fn=loss_fn,
-                precision=config.precision,
-                channels_last=config.channels_last,
+                **config.step_options,
             )
         except DivergenceError as error:
             raise DivergenceError(f"client {partition_id} diverged in round {server_round} "
@@ -212,9 +235,7 @@ def train_client(
     local = {}
     if config.evaluate_before_aggregation and not method.personal_model:
         # The model this client trained (its shared block before the server's averaging).
-        correct, examples, _ = evaluate_model(model, data.batches("test")(),
-                                              precision=config.precision,
-                                              channels_last=config.channels_last)
+        correct, examples, _ = _evaluate(config, model, data)
         local = {LOCAL_CORRECT: int(correct), LOCAL_EXAMPLES: int(examples)}
     change = None
     new_reference = None
@@ -236,28 +257,17 @@ def train_client(
         round=server_round,
     )
     metrics = {
-        "num-examples": len(data.train_indices),
-        "train-loss": float(last_loss),
+        NUM_EXAMPLES: len(data.train_indices),
+        TRAIN_LOSS: float(last_loss),
         SHARED_STEPS: int(shared_steps),
-        "examples-seen": int(examples_seen),
-        "rounds-trained": new_state.rounds_trained,
+        EXAMPLES_SEEN: int(examples_seen),
+        ROUNDS_TRAINED: new_state.rounds_trained,
         **local,
     }
     return TrainOutcome(final_shared, new_state, shared_steps, change, metrics)
 
 
-def evaluate_client(
-    *,
-    config: RunConfig,
-    method: Method,
-    model: nn.Module,
-    split: ParameterSplit,
-    received: Mapping[str, np.ndarray],
-    state: ClientState,
-    data: ClientData,
-    server_round: int = 1,
-    partition_id: int = 0,
-) -> EvaluateOutcome:
+def evaluate_client(job: ClientJob) -> EvaluateOutcome:
     """Personalized accuracy of this client on its own test split.
 
     The evaluated model is the received shared block plus the client's
@@ -266,34 +276,29 @@ def evaluate_client(
     fine-tunes (a throw-away copy) on the client's training data. Nothing here
     changes the client state.
     """
-    device = data.device
+    config, method, split, data, received = (job.config, job.method, job.split, job.data,
+                                             job.received)
+    model = job.model.to(data.device)
     if method.personal_model:
-        model = model.to(device)
         global_correct = global_examples = None
         if config.evaluate_global_model:
             load_arrays(model, received)
             global_correct, global_examples, _ = _evaluate(config, model, data)
-        load_arrays(model, state.personal_model or received)
+        load_arrays(model, job.state.personal_model or received)
         return EvaluateOutcome(*_evaluate(config, model, data), global_correct, global_examples)
-    model = assemble(model, split, received, state).to(device)
+    model = assemble(model, split, received, job.state)
     if method.finetune_before_eval and config.fedbabu_finetune_epochs > 0:
         block = "all" if config.fedbabu_finetune_parts == "all" else "head"
         train_epochs(
             model,
-            data.batches("train", seeded_generator(config.seed, server_round, partition_id,
-                                                   "finetune")),
+            data.batches("train", job.generator("finetune")),
             epochs=config.fedbabu_finetune_epochs,
             trainable=split.trainable(block),
-            learning_rate=config.learning_rate,
-            momentum=config.momentum,
-            weight_decay=config.weight_decay,
-            precision=config.precision,
-            channels_last=config.channels_last,
+            **config.step_options,
         )
     return EvaluateOutcome(*_evaluate(config, model, data))
 
 
 def _evaluate(config: RunConfig, model: nn.Module, data: ClientData) -> tuple[int, int, float]:
     """Correct predictions, examples and summed loss of ``model`` on the test split."""
-    return evaluate_model(model, data.batches("test")(), precision=config.precision,
-                          channels_last=config.channels_last)
+    return evaluate_model(model, data.batches("test")(), **config.compute_options)

@@ -11,7 +11,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.supercore import log
 
-from clients import evaluate_client, train_client
+from clients import ClientJob, evaluate_client, train_client
 from clients.durable import DurableState
 from clients.local import keeps_client_state
 from clients.state import (
@@ -30,14 +30,17 @@ from fedspc_app.core.protocol import (
     ACCEPTED_ROUNDS,
     ARRAYS,
     CONFIG,
+    CORRECT,
     DEPLOYMENT,
     DURABLE_THROUGH,
     GLOBAL_CORRECT,
     GLOBAL_EXAMPLES,
     GLOBAL_REFERENCE,
+    LOSS_SUM,
     METRICS,
     NODE_QUERY,
     NUM_CLIENTS,
+    NUM_EXAMPLES,
     PARTITION_ID,
     PARTITION_QUERY,
     QUERY,
@@ -205,14 +208,14 @@ class ClientSetup:
                 accepted)
         return ledger, replace(state, round=accepted)
 
-    def arguments(self, message: Message, state: ClientState) -> dict:
-        """Keyword arguments shared by :func:`train_client` and :func:`evaluate_client`."""
+    def job(self, message: Message, state: ClientState) -> ClientJob:
+        """This round's work for :func:`train_client` or :func:`evaluate_client`."""
         received = from_record(message.content.array_records[ARRAYS])
         if set(received) != set(self.split.shared):
             raise ValueError("the server sent arrays that are not this method's shared block")
-        return dict(config=self.config, method=self.method, model=self.model,
-                    split=self.split, received=received, state=state, data=self.data,
-                    server_round=self.server_round, partition_id=self.partition_id)
+        return ClientJob(self.config, self.method, self.model, self.split, received, state,
+                         self.data, server_round=self.server_round,
+                         partition_id=self.partition_id)
 
 
 def timings(started: float, working: float, finished: float) -> dict[str, float]:
@@ -237,9 +240,9 @@ def train(message: Message, context: Context) -> Message:
     global_reference = None
     if GLOBAL_REFERENCE in message.content.array_records:
         global_reference = from_record(message.content.array_records[GLOBAL_REFERENCE])
-    arguments = setup.arguments(message, state)
+    job = setup.job(message, state)
     working = time.perf_counter()
-    outcome = train_client(**arguments, global_reference=global_reference)
+    outcome = train_client(job, global_reference=global_reference)
     ledger.stage(outcome.state)
     worked = time.perf_counter()
     metrics = {**outcome.metrics, PARTITION_ID: setup.partition_id,
@@ -257,13 +260,13 @@ def evaluate(message: Message, context: Context) -> Message:
     started, started_at = time.perf_counter(), time.time()
     setup = ClientSetup.from_message(message, context)
     _, state = setup.load_state(message, context)
-    arguments = setup.arguments(message, state)
+    job = setup.job(message, state)
     working = time.perf_counter()
-    outcome = evaluate_client(**arguments)
+    outcome = evaluate_client(job)
     metrics = MetricRecord({
-        "num-examples": outcome.examples,
-        "correct": outcome.correct,
-        "loss-sum": outcome.loss_sum,
+        NUM_EXAMPLES: outcome.examples,
+        CORRECT: outcome.correct,
+        LOSS_SUM: outcome.loss_sum,
         "accuracy": outcome.accuracy,
         PARTITION_ID: setup.partition_id,
         **timings(started, working, time.perf_counter()),

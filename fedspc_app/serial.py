@@ -29,11 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from clients import ClientState, evaluate_client, train_client
+from clients import ClientJob, ClientState, evaluate_client, train_client
 from clients.local import uses_control_variates
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.correction import global_reference_update, zeros_like
 from fedspc_app.core.methods import get_method
+from fedspc_app.core.protocol import EXAMPLES_SEEN, NUM_EXAMPLES, TRAIN_LOSS
 from fedspc_app.core.split import parameter_split
 from fedspc_app.core.task import (
     client_data,
@@ -68,19 +69,17 @@ class _Clients:
         self.initial = state_arrays(self.model, self.model.state_dict().keys())
         self.data = [client_data(config, k, num_clients) for k in range(num_clients)]
 
-    def train(self, k: int, shared, state: ClientState, u_bar, server_round: int):
+    def job(self, k: int, shared, state: ClientState, server_round: int) -> ClientJob:
+        """Client ``k``'s work, on the common initial model (a fresh model in the apps)."""
         load_arrays(self.model, self.initial)
-        return train_client(config=self.config, method=self.method, model=self.model,
-                            split=self.split, received=shared, state=state,
-                            data=self.data[k], global_reference=u_bar,
-                            server_round=server_round, partition_id=k)
+        return ClientJob(self.config, self.method, self.model, self.split, shared, state,
+                         self.data[k], server_round=server_round, partition_id=k)
+
+    def train(self, k: int, shared, state: ClientState, u_bar, server_round: int):
+        return train_client(self.job(k, shared, state, server_round), global_reference=u_bar)
 
     def evaluate(self, k: int, shared, state: ClientState, server_round: int):
-        load_arrays(self.model, self.initial)
-        return evaluate_client(config=self.config, method=self.method, model=self.model,
-                               split=self.split, received=shared, state=state,
-                               data=self.data[k], server_round=server_round,
-                               partition_id=k)
+        return evaluate_client(self.job(k, shared, state, server_round))
 
 
 _WORKER: _Clients | None = None
@@ -148,7 +147,7 @@ def _rounds(config: RunConfig, num_clients: int, local: _Clients,
             k: (shared, states[k], u_bar, server_round)
             for k in _sample(rng, num_clients, config.fraction_train)})
         ids = sorted(outcomes)
-        weights = ([float(outcomes[k].metrics["num-examples"]) for k in ids]
+        weights = ([float(outcomes[k].metrics[NUM_EXAMPLES]) for k in ids]
                    if config.aggregation == "weighted" else [1.0] * len(ids))
         shared = mean_arrays([outcomes[k].shared for k in ids], weights)
         if corrected:
@@ -159,9 +158,9 @@ def _rounds(config: RunConfig, num_clients: int, local: _Clients,
         trained = time.perf_counter()
         row: dict[str, Any] = {
             "round": server_round,
-            "train-loss": float(np.mean([outcomes[k].metrics["train-loss"] for k in ids])),
+            TRAIN_LOSS: float(np.mean([outcomes[k].metrics[TRAIN_LOSS] for k in ids])),
             "train-clients": len(ids),
-            "train-images": int(sum(outcomes[k].metrics["examples-seen"] for k in ids)),
+            "train-images": int(sum(outcomes[k].metrics[EXAMPLES_SEEN] for k in ids)),
             "train-seconds": trained - round_started,
         }
 

@@ -101,7 +101,7 @@ def run_minimal(run_config: dict, clients: int, threads: int) -> dict:
     data = [client_data(config, k, clients) for k in range(clients)]
     model = make_model(config, dataset).to(data[0].device)
     trainable = [name for name, _ in model.named_parameters()]
-    options = dict(precision=config.precision, channels_last=config.channels_last)
+    options = config.compute_options
     average = {key: value.clone() for key, value in model.state_dict().items()}
     setup = time.perf_counter() - started
     rows = []

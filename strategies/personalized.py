@@ -36,22 +36,28 @@ from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.protocol import (
     ACCEPTED_ROUNDS,
     ARRAYS,
+    CORRECT,
     DURABLE_THROUGH,
+    EXAMPLES_SEEN,
     GLOBAL_CORRECT,
     GLOBAL_EXAMPLES,
     LOCAL_CORRECT,
     LOCAL_EXAMPLES,
+    LOSS_SUM,
     METRICS,
+    NUM_EXAMPLES,
     PARTITION_ID,
+    ROUNDS_TRAINED,
     RUN_TOKEN,
     SERVER_ROUND,
     TIMINGS,
+    TRAIN_LOSS,
 )
 from fedspc_app.core.records import ArrayDict, from_record, to_record
 from strategies.drift import drift_statistics
 from strategies.sampling import PartitionSampler
 
-EVALUATION_KEYS = ("num-examples", "correct", "loss-sum", PARTITION_ID)
+EVALUATION_KEYS = (NUM_EXAMPLES, CORRECT, LOSS_SUM, PARTITION_ID)
 
 
 def optional_accuracy(metrics: Sequence[MetricRecord], correct: str, examples: str,
@@ -300,7 +306,7 @@ class PersonalizedFedAvg(FedAvg):
             if np.issubdtype(value.dtype, np.floating) and not np.all(np.isfinite(value)):
                 return f"{key!r} holds non-finite values"
         metrics = content.metric_records[METRICS]
-        num_examples = metrics.get("num-examples")
+        num_examples = metrics.get(NUM_EXAMPLES)
         if not isinstance(num_examples, int) or num_examples <= 0:
             return f"'num-examples' must be a positive integer, got {num_examples!r}"
         return self._check_partition(message, metrics.get(PARTITION_ID))
@@ -372,7 +378,7 @@ class PersonalizedFedAvg(FedAvg):
         for record in metrics:
             self.accepted_rounds[int(record[PARTITION_ID])] = server_round
         if self.aggregation == "weighted":
-            weights = [float(m["num-examples"]) for m in metrics]
+            weights = [float(m[NUM_EXAMPLES]) for m in metrics]
         else:
             weights = [1.0] * len(updates)
         arrays = mean_arrays(updates, weights)
@@ -382,14 +388,14 @@ class PersonalizedFedAvg(FedAvg):
                 k for k in self.shared_keys if np.issubdtype(self.broadcast[k].dtype,
                                                              np.floating))
             drift = drift_statistics(self.broadcast, updates, weights, keys)
-        losses = [float(m["train-loss"]) for m in metrics if "train-loss" in m]
+        losses = [float(m[TRAIN_LOSS]) for m in metrics if TRAIN_LOSS in m]
         summary = MetricRecord({
             "clients": len(accepted),
-            "train-loss": float(np.mean(losses)) if losses else float("nan"),
-            "num-examples": int(sum(int(m["num-examples"]) for m in metrics)),
-            "examples-seen": int(sum(int(m.get("examples-seen", 0)) for m in metrics)),
+            TRAIN_LOSS: float(np.mean(losses)) if losses else float("nan"),
+            NUM_EXAMPLES: int(sum(int(m[NUM_EXAMPLES]) for m in metrics)),
+            EXAMPLES_SEEN: int(sum(int(m.get(EXAMPLES_SEEN, 0)) for m in metrics)),
             # Rounds each client has completed, as its persisted state says.
-            "min-rounds-trained": int(min(int(m.get("rounds-trained", 0)) for m in metrics)),
+            "min-rounds-trained": int(min(int(m.get(ROUNDS_TRAINED, 0)) for m in metrics)),
             "train-client-ids": [int(m[PARTITION_ID]) for m in metrics],
             **summed_timings(metrics),
             **drift,
@@ -408,8 +414,8 @@ class PersonalizedFedAvg(FedAvg):
         missing = [key for key in EVALUATION_KEYS if key not in metrics]
         if missing:
             return f"missing {', '.join(missing)}"
-        examples, correct, loss = (metrics["num-examples"], metrics["correct"],
-                                   metrics["loss-sum"])
+        examples, correct, loss = (metrics[NUM_EXAMPLES], metrics[CORRECT],
+                                   metrics[LOSS_SUM])
         if not isinstance(examples, int) or examples <= 0:
             return f"'num-examples' must be a positive integer, got {examples!r}"
         if not isinstance(correct, int) or not 0 <= correct <= examples:
@@ -431,8 +437,8 @@ class PersonalizedFedAvg(FedAvg):
                 if partition in rows:
                     reason = f"a second evaluation of partition {partition}"
                 else:
-                    rows[partition] = (int(metrics["correct"]), int(metrics["num-examples"]),
-                                       float(metrics["loss-sum"]))
+                    rows[partition] = (int(metrics[CORRECT]), int(metrics[NUM_EXAMPLES]),
+                                       float(metrics[LOSS_SUM]))
                     records[partition] = metrics
                     continue
             dropped += 1

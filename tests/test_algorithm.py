@@ -17,7 +17,7 @@ import torch
 from flwr.app import Message, MessageType, MetricRecord, RecordDict
 from torch import nn
 
-from clients import ClientState, train_client
+from clients import ClientJob, ClientState, train_client
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.methods import get_method
 from fedspc_app.core.records import to_record
@@ -82,12 +82,10 @@ def client_round(method_name: str, cfg: RunConfig, received: dict, state: Client
     model = TwoScalars().double()
     split = parameter_split(model, method)
     x, y = CLIENTS[pid]
-    return train_client(
-        config=cfg, method=method, model=model, split=split,
-        received={k: np.asarray(v, dtype=np.float64) for k, v in received.items()},
-        state=state, data=OneSample(x, y), global_reference=global_reference,
-        partition_id=pid, loss_fn=half_squared_error,
-    )
+    job = ClientJob(cfg, method, model, split,
+                    {k: np.asarray(v, dtype=np.float64) for k, v in received.items()},
+                    state, OneSample(x, y), partition_id=pid)
+    return train_client(job, global_reference=global_reference, loss_fn=half_squared_error)
 
 
 def scalar(arrays: dict, key: str) -> float:

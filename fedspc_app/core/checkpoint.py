@@ -39,6 +39,7 @@ SHARED, REFERENCE = "shared/", "reference/"
 MAY_CHANGE = frozenset({
     "num-rounds", "resume", "checkpoint", "output-dir", "data-dir", "download", "device",
     "round-timeout", "min-train-replies", "max-failed-rounds", "keep-client-state",
+    "client-state-dir", "overwrite", "tensorboard", "evaluate-server",
 })
 
 

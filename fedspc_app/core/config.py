@@ -31,6 +31,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 REFERENCE_UPLOADS = ("derived", "explicit")
 FINETUNE_PARTS = ("all", "head")
+PARTITIONS = ("dirichlet", "classes")
 CACHE_DIR_ENV = "FEDSPC_CACHE_DIR"
 
 
@@ -80,8 +81,11 @@ class RunConfig:
     evaluate_fraction: float = 1.0
     evaluate_before_aggregation: bool = False
     evaluate_global_model: bool = False
+    evaluate_server: bool = False
 
-    # Partitioning (the paper's Dirichlet label skew)
+    # Partitioning (the paper's Dirichlet label skew, or S classes per client)
+    partition: str = "dirichlet"
+    classes_per_client: int = 2
     alpha: float = 0.1
     min_samples: int = 10
     partition_max_tries: int = 1000
@@ -97,6 +101,7 @@ class RunConfig:
     device: str = "auto"
     precision: str = "fp32"
     channels_last: bool = False
+    deterministic: bool = False
 
     # Method options
     proximal_mu: float = 0.01
@@ -109,11 +114,14 @@ class RunConfig:
     # Results
     output_dir: str = "results"
     run_name: str = ""
+    overwrite: bool = False
+    tensorboard: bool = False
 
     # Faults: checkpoints, resuming, the round failure policy
     checkpoint: bool = True
     resume: bool = False
     keep_client_state: bool = False
+    client_state_dir: str = ""
     min_train_replies: float = 0.5
     max_failed_rounds: int = 3
     round_timeout: float = 3600.0
@@ -148,6 +156,19 @@ class RunConfig:
         if self.data_dir:
             return Path(self.data_dir).expanduser().resolve()
         return default_data_dir().resolve()
+
+    @property
+    def compute_options(self) -> dict[str, Any]:
+        """How the training loop and evaluation compute: keyword arguments
+        ``precision`` and ``channels_last`` of ``train_epochs`` / ``evaluate_model``."""
+        return {"precision": self.precision, "channels_last": self.channels_last}
+
+    @property
+    def step_options(self) -> dict[str, Any]:
+        """The optimizer's settings and :attr:`compute_options`: keyword arguments of
+        ``train_epochs`` (the learning rate is the run's; a schedule overrides it)."""
+        return {"learning_rate": self.learning_rate, "momentum": self.momentum,
+                "weight_decay": self.weight_decay, **self.compute_options}
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as kebab-case keys (for results and logs)."""
@@ -227,6 +248,8 @@ def validate(config: RunConfig) -> RunConfig:
     _choice("precision", config.precision, PRECISIONS)
     _choice("fedspc-upload", config.fedspc_upload, REFERENCE_UPLOADS)
     _choice("fedbabu-finetune-parts", config.fedbabu_finetune_parts, FINETUNE_PARTS)
+    _choice("partition", config.partition, PARTITIONS)
+    _at_least("classes-per-client", config.classes_per_client, 1)
     _at_least("alpha", config.alpha, 0.0, strict=True)
     _at_least("num-rounds", config.num_rounds, 1)
     _at_least("num-clients", config.num_clients, 0)
@@ -254,6 +277,9 @@ def validate(config: RunConfig) -> RunConfig:
         raise ConfigError("run-config 'resume = true' needs 'checkpoint = true'")
     if config.keep_client_state and not config.checkpoint:
         raise ConfigError("run-config 'keep-client-state = true' needs 'checkpoint = true'")
+    if config.resume and config.overwrite:
+        raise ConfigError("run-config 'resume = true' continues the run folder and "
+                          "'overwrite = true' replaces it: set one of them")
     for key, fraction in (("fraction-train", config.fraction_train),
                           ("evaluate-fraction", config.evaluate_fraction)):
         if not 0.0 < fraction <= 1.0 or not math.isfinite(fraction):

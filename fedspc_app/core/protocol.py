@@ -35,6 +35,13 @@ WARM_UP_QUERY = "warm-up"
 
 # Reply metrics.
 PARTITION_ID = "partition-id"
+# Training replies: the client's training examples (the aggregation weight, Flower's
+# convention), the mean loss of its last epoch, the images its loop went through and
+# the rounds it has trained so far. Evaluation replies: examples, correct predictions
+# and summed loss on its test split.
+NUM_EXAMPLES, TRAIN_LOSS = "num-examples", "train-loss"
+EXAMPLES_SEEN, ROUNDS_TRAINED = "examples-seen", "rounds-trained"
+CORRECT, LOSS_SUM = "correct", "loss-sum"
 SHARED_STEPS = "shared-steps"  # optimizer steps that updated the shared block (FedSPC's E)
 LOCAL_CORRECT, LOCAL_EXAMPLES = "local-correct", "local-examples"  # before aggregation
 # A personal-model method's evaluation of the received global model (evaluate-global-model).

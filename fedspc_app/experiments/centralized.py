@@ -121,17 +121,14 @@ def train_centralized(config: RunConfig, *, epochs: int = 200, learning_rate: fl
         for epoch in range(1, epochs + 1):
             rate = epoch_learning_rate(learning_rate, epoch, epochs, lr_schedule)
             result = train_epochs(model, train_batches, epochs=1, trainable=trainable,
-                                  learning_rate=rate, momentum=config.momentum,
-                                  weight_decay=config.weight_decay, precision=config.precision,
-                                  channels_last=config.channels_last)
+                                  **{**config.step_options, "learning_rate": rate})
             if epoch % eval_every and epoch != epochs:
                 continue
             test_batches = iterate_batches(dataset, "test", test_indices,
                                            batch_size=max(config.batch_size, 256), shuffle=False,
                                            augment=False, generator=None, device=device)
             correct, examples, loss_sum = evaluate_model(model, test_batches,
-                                                         precision=config.precision,
-                                                         channels_last=config.channels_last)
+                                                         **config.compute_options)
             now = time.perf_counter()
             row = {"epoch": epoch, "accuracy": correct / examples, "loss": loss_sum / examples,
                    "train-loss": result.mean_loss, "learning-rate": rate,
