@@ -20,6 +20,7 @@ from flwr.supercore import log
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.datasets import ImageDataset
 from fedspc_app.core.errors import FedSPCError
+from fedspc_app.core.partition import partition_summary
 from fedspc_app.core.protocol import CONFIG, METRICS, NUM_CLIENTS, PARTITION_QUERY, QUERY
 from fedspc_app.core.task import (
     KNOWN_SHAPES,
@@ -124,17 +125,13 @@ def preflight(grid: Grid, config: RunConfig, num_clients: int, shape: DatasetSha
         log(INFO, "  partition %d on node %d: %d training / %d test images, client state %s",
             partition_id, node, sum(report["train-counts"]), sum(report["test-counts"]),
             "on the node's disk" if report["durable-state"] else "in memory only")
-    first = rows[0][1]
-    return {
-        "scheme": "dirichlet-label-skew",
-        "num_clients": num_clients,
-        "num_classes": shape.num_classes,
-        "alpha": float(config.alpha),
-        "seed": int(config.seed),
-        "tries": int(first["tries"]),
-        "train_counts": [[int(v) for v in rows[k][1]["train-counts"]]
-                         for k in range(num_clients)],
-        "test_counts": [[int(v) for v in rows[k][1]["test-counts"]]
-                        for k in range(num_clients)],
-        "source": "reported by the SuperNodes",
-    }
+    summary = partition_summary(
+        config.partition,
+        alpha=config.alpha,
+        classes_per_client=config.classes_per_client,
+        seed=config.seed,
+        tries=int(rows[0][1]["tries"]),
+        train_counts=[list(rows[k][1]["train-counts"]) for k in range(num_clients)],
+        test_counts=[list(rows[k][1]["test-counts"]) for k in range(num_clients)],
+    )
+    return {**summary, "source": "reported by the SuperNodes"}

@@ -184,8 +184,10 @@ def train(grid: Grid, checked: CheckedRun) -> None:
     }, rounds=resumed.rounds if resumed else None,
         elapsed=resumed.elapsed_seconds if resumed else 0.0)
     save_partition(checked.partition, recorder.run_dir)
-    log(INFO, "%s | %s on %s, %d clients, alpha=%g, %d rounds, %s", config.label,
-        config.model, config.dataset, num_clients, config.alpha, config.num_rounds,
+    log(INFO, "%s | %s on %s, %d clients, %s, %d rounds, %s", config.label,
+        config.model, config.dataset, num_clients,
+        f"{config.classes_per_client} classes per client" if config.partition == "classes"
+        else f"alpha={config.alpha:g}", config.num_rounds,
         describe_precision(precision, config.channels_last))
 
     records = RoundRecords(config, strategy, recorder, identity, resumed)

@@ -1,5 +1,6 @@
-"""The FedSPC paper's Dirichlet label-skew partition (fedspc_app.core.partition) and its
-heatmaps (fedspc_app.experiments.plots, ``python -m fedspc_app.experiments partition``)."""
+"""The FedSPC paper's Dirichlet label-skew partition and the class-count ("pathological")
+partition (fedspc_app.core.partition), their heatmaps (fedspc_app.experiments.plots,
+``python -m fedspc_app.experiments partition``) and a run with ``partition = "classes"``."""
 
 from __future__ import annotations
 
@@ -11,15 +12,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flwr.app import Context, RecordDict
+from inprocess import InProcessGrid
 
+from fedspc_app import client_app, server_app
+from fedspc_app.core.config import PARTITIONS, parse_run_config
 from fedspc_app.core.errors import ConfigError, DataError
 from fedspc_app.core.partition import (
+    SCHEMES,
     Partition,
+    class_partition,
     dirichlet_partition,
     load_partition_counts,
+    make_partition,
+    partition_summary,
     save_partition,
 )
+from fedspc_app.core.task import load_partition
 from fedspc_app.experiments import cli
+from fedspc_app.experiments.grid import expand_grid
 from fedspc_app.experiments.plots import plot_partition, plot_partitions
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -406,3 +417,264 @@ def test_partition_command_draws_one_run_or_panels(tmp_path: Path, capsys) -> No
     assert cli.main(["partition", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fedspc: No partition file") and err.count("\n") == 1
+
+
+# --------------------------------------------------------------------------- #
+# Class-count ("pathological") partition
+# --------------------------------------------------------------------------- #
+
+
+def _classes(train: np.ndarray, test: np.ndarray, **kwargs) -> Partition:
+    args = dict(num_clients=13, classes_per_client=3, seed=5, min_samples=1) | kwargs
+    return class_partition(train, test, **args)
+
+
+@pytest.fixture(scope="module")
+def by_class(uneven: tuple[np.ndarray, np.ndarray]) -> Partition:
+    """13 clients of 3 classes over the 20 uneven classes: 39 slots, 1 or 2 holders."""
+    return _classes(*uneven)
+
+
+def _held(counts: np.ndarray) -> np.ndarray:
+    return counts > 0
+
+
+@pytest.mark.parametrize(
+    "num_clients, per_client, seed",
+    [(13, 3, 5), (20, 1, 0), (20, 20, 1), (7, 6, 2), (40, 7, 3), (1, 4, 4), (4, 3, 9)],
+)
+def test_every_client_holds_s_distinct_classes_and_holders_are_balanced(
+        uneven, num_clients: int, per_client: int, seed: int) -> None:
+    p = _classes(*uneven, num_clients=num_clients, classes_per_client=per_client, seed=seed)
+    held = _held(p.train_counts())
+    assert held.shape == (num_clients, 20)
+    assert held.sum(axis=1).tolist() == [per_client] * num_clients
+    np.testing.assert_array_equal(p.proportions > 0, held.T)
+    holders = held.sum(axis=0)
+    assert holders.max() - holders.min() <= 1
+    assert holders.sum() == num_clients * per_client
+    slots = num_clients * per_client
+    assert set(holders.tolist()) <= {slots // 20, -(-slots // 20)}
+    assert (p.scheme, p.classes_per_client, p.alpha) == ("classes", per_client, None)
+
+
+def test_class_shares_are_equal_among_holders(by_class: Partition, uneven) -> None:
+    train, _ = uneven
+    sizes = np.bincount(train, minlength=20)
+    counts = by_class.train_counts()
+    for c in range(20):
+        shares = counts[_held(counts)[:, c], c]
+        assert shares.sum() == sizes[c]
+        assert shares.max() - shares.min() <= 1
+    p = by_class.proportions
+    assert np.allclose(p, (p > 0) / (p > 0).sum(axis=1, keepdims=True))
+
+
+def test_class_partition_uses_each_index_once_and_every_image_of_used_classes(uneven) -> None:
+    train, test = uneven
+    # 4 clients x 3 classes: 12 of the 20 classes are held, the other 8 unused.
+    p = _classes(train, test, num_clients=4, classes_per_client=3)
+    used = np.flatnonzero(_held(p.train_counts()).any(axis=0))
+    assert used.size == 12
+    for parts, labels in ((p.train_indices, train), (p.test_indices, test)):
+        joined = np.concatenate(parts)
+        assert np.unique(joined).size == joined.size, "an index went to two clients"
+        np.testing.assert_array_equal(np.sort(joined), np.flatnonzero(np.isin(labels, used)))
+        for a in parts:
+            assert a.dtype == np.int64 and np.all(np.diff(a) > 0)
+    for k in range(4):
+        tr, te = p.client(k)
+        np.testing.assert_array_equal(np.bincount(train[tr], minlength=20), p.train_counts()[k])
+        np.testing.assert_array_equal(np.bincount(test[te], minlength=20), p.test_counts()[k])
+
+
+def test_class_partition_covers_everything_when_every_class_is_held(
+        by_class: Partition, uneven) -> None:
+    train, test = uneven
+    _assert_exact_cover(by_class.train_indices, train.size)
+    _assert_exact_cover(by_class.test_indices, test.size)
+
+
+def test_class_test_split_follows_train(by_class: Partition, uneven) -> None:
+    # The same bound as the Dirichlet test: both splits are cut by the same proportions.
+    train, test = uneven
+    np.testing.assert_array_equal(_held(by_class.test_counts()), _held(by_class.train_counts()))
+    ratio = np.bincount(test, minlength=20) / np.bincount(train, minlength=20)
+    diff = np.abs(by_class.test_counts() - by_class.train_counts() * ratio[None, :])
+    assert np.all(diff <= 1 + ratio[None, :] + 1e-9)
+    assert by_class.test_counts().sum(axis=1).min() >= 1
+
+
+def test_class_partition_is_deterministic_per_seed(uneven) -> None:
+    train, test = uneven
+    a = _classes(train, test, seed=11)
+    b = _classes(train.copy(), test.copy(), seed=11)
+    assert a == b and a.tries == b.tries
+    for x, y in zip(a.train_indices + a.test_indices, b.train_indices + b.test_indices):
+        np.testing.assert_array_equal(x, y)
+    others = [_classes(train, test, seed=seed) for seed in (12, 13)]
+    for other in others:
+        assert other != a
+        assert not np.array_equal(_held(other.train_counts()), _held(a.train_counts()))
+
+
+def test_class_partition_differs_from_dirichlet_of_same_seed(by_class: Partition, uneven) -> None:
+    train, test = uneven
+    d = dirichlet_partition(train, test, num_clients=13, alpha=0.3, seed=5, min_samples=1)
+    assert d != by_class and d.scheme == "dirichlet" and d.classes_per_client is None
+
+
+def test_more_classes_per_client_than_classes_is_config_error(uneven) -> None:
+    train, test = uneven
+    with pytest.raises(ConfigError, match="classes_per_client=21 exceeds the 20 classes"):
+        _classes(train, test, classes_per_client=21)
+    with pytest.raises(ConfigError, match="classes_per_client=5 exceeds the 4 classes"):
+        _classes(_labels([30] * 4), _labels([5] * 4), num_clients=2, classes_per_client=5)
+
+
+@pytest.mark.parametrize("per_client", [0, -1, 2.0, "2", True, None])
+def test_bad_classes_per_client_is_config_error(uneven, per_client) -> None:
+    with pytest.raises(ConfigError, match="classes_per_client"):
+        _classes(*uneven, classes_per_client=per_client)
+
+
+def test_class_with_too_few_images_for_its_holders_is_config_error() -> None:
+    # 12 clients x 5 classes over 10 classes: 6 holders per class, but class 3 has 4 images.
+    train, test = _labels([40, 40, 40, 4, 40, 40, 40, 40, 40, 40]), _labels([10] * 10)
+    with pytest.raises(ConfigError, match="class 3 has 4 training images.* up to 6 clients"):
+        _classes(train, test, num_clients=12, classes_per_client=5)
+
+
+def test_unsatisfiable_min_samples_is_data_error_after_max_tries() -> None:
+    # 4 clients of 1 class of 30 images: 4 x 40 <= 300 passes the up-front check, but
+    # every deal gives every client 30 images.
+    train, test = _labels([30] * 10), _labels([6] * 10)
+    with pytest.raises(DataError) as info:
+        _classes(train, test, num_clients=4, classes_per_client=1, min_samples=40,
+                 max_tries=3)
+    message = str(info.value)
+    for expected in ("1 classes per client", "K=4", "min_samples=40", "3 tries",
+                     "smallest client had 30", "more classes per client"):
+        assert expected in message
+
+
+def test_unknown_scheme_is_config_error(uneven, part: Partition) -> None:
+    train, test = uneven
+    assert set(SCHEMES) == set(PARTITIONS)
+    with pytest.raises(ConfigError, match="partition must be one of 'dirichlet', 'classes'"):
+        make_partition("shards", train, test, num_clients=4, alpha=0.3,
+                       classes_per_client=2, seed=0)
+    with pytest.raises(ConfigError, match="'shards'"):
+        Partition(num_clients=1, num_classes=1, alpha=None, seed=0, train_indices=([0],),
+                  test_indices=([0],), proportions=[[1.0]], tries=1, scheme="shards")
+    with pytest.raises(ConfigError, match="'shards'"):
+        partition_summary("shards", alpha=None, classes_per_client=2, seed=0, tries=1,
+                          train_counts=part.train_counts(), test_counts=part.test_counts())
+
+
+def test_make_partition_dispatches_on_the_scheme(uneven, by_class: Partition) -> None:
+    train, test = uneven
+    common = dict(num_clients=13, alpha=0.3, seed=5, min_samples=1)
+    assert make_partition("classes", train, test, classes_per_client=3, **common) == by_class
+    assert make_partition("dirichlet", train, test, classes_per_client=3, **common) == \
+        dirichlet_partition(train, test, **common)
+
+
+def test_class_partition_json_records_scheme_and_classes(uneven, tmp_path: Path) -> None:
+    train, test = uneven
+    p = _classes(train, test, num_clients=4, classes_per_client=3)
+    save_partition(p, tmp_path)
+    data = load_partition_counts(tmp_path)
+    assert data["scheme"] == "class-count" and data["classes_per_client"] == 3
+    assert "alpha" not in data
+    held = _held(p.train_counts())
+    assert data["client_classes"] == [np.flatnonzero(row).tolist() for row in held]
+    assert all(len(classes) == 3 for classes in data["client_classes"])
+    assert data["unused_classes"] == np.flatnonzero(~held.any(axis=0)).tolist()
+    assert len(data["unused_classes"]) == 8
+    assert data["class_holders"] == held.sum(axis=0).tolist()
+    assert (data["seed"], data["tries"], data["num_clients"]) == (5, p.tries, 4)
+    np.testing.assert_array_equal(data["train_counts"], p.train_counts())
+    np.testing.assert_array_equal(data["test_counts"], p.test_counts())
+    # The deployment's file, built from the counts the nodes report, is the same.
+    reported = partition_summary("classes", alpha=0.1, classes_per_client=3, seed=5,
+                                 tries=p.tries, train_counts=p.train_counts().tolist(),
+                                 test_counts=p.test_counts().tolist())
+    assert reported == p.to_dict()
+
+
+def test_dirichlet_partition_json_keeps_its_keys(part: Partition) -> None:
+    assert list(part.to_dict()) == ["scheme", "num_clients", "num_classes", "alpha", "seed",
+                                    "tries", "train_counts", "test_counts"]
+    assert part.to_dict()["scheme"] == "dirichlet-label-skew"
+
+
+def test_run_name_and_cached_partition_follow_the_scheme() -> None:
+    dirichlet = parse_run_config({"alpha": 0.5, "seed": 2})
+    two = parse_run_config({"partition": "classes", "classes-per-client": 2, "seed": 2})
+    three = two.replace(classes_per_client=3)
+    assert dirichlet.resolved_run_name == "digits-cnn-fedavg-a0.5-s2"
+    assert two.resolved_run_name == "digits-cnn-fedavg-c2-s2"
+    assert three.resolved_run_name == "digits-cnn-fedavg-c3-s2"
+    partitions = [load_partition(config, 6) for config in (dirichlet, two, three)]
+    assert [p.scheme for p in partitions] == ["dirichlet", "classes", "classes"]
+    for p, per_client in zip(partitions[1:], (2, 3)):
+        assert _held(p.train_counts()).sum(axis=1).tolist() == [per_client] * 6
+    assert load_partition(three, 6) is partitions[2]  # cached per process
+
+
+def test_grid_names_cells_by_partition_and_classes_per_client(tmp_path: Path) -> None:
+    grid = expand_grid({"axes": {"partition": ["dirichlet", "classes"],
+                                 "classes-per-client": [2, 5]}},
+                       name="g", output_dir=tmp_path)
+    names = [cell.name for cell in grid.cells]
+    assert names == ["partition-dirichlet-c2", "partition-dirichlet-c5",
+                     "partition-classes-c2", "partition-classes-c5"]
+
+
+# --------------------------------------------------------------------------- #
+# A run with partition = "classes" (the real apps, in this process)
+# --------------------------------------------------------------------------- #
+
+
+def _run_apps(tmp_path: Path, **overrides):
+    run_config = {"method": "fedavg", "num-rounds": 1, "local-epochs": 1, "batch-size": 64,
+                  "partition": "classes", "classes-per-client": 2, "seed": 3,
+                  "output-dir": str(tmp_path), "checkpoint": False, **overrides}
+    grid = InProcessGrid(client_app.app, 4, run_config)
+    server_app.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                  run_config=run_config))
+    return grid
+
+
+def test_a_run_with_two_classes_per_client_finishes(tmp_path: Path, caplog) -> None:
+    caplog.set_level("INFO", logger="flwr")
+    _run_apps(tmp_path)
+    run_dir = tmp_path / "digits-cnn-fedavg-c2-s3"
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["rounds"][-1]["round"] == 1
+    assert 0.0 <= metrics["rounds"][-1]["accuracy"] <= 1.0
+    data = load_partition_counts(run_dir)
+    assert data["scheme"] == "class-count" and data["classes_per_client"] == 2
+    assert [len(classes) for classes in data["client_classes"]] == [2] * 4
+    assert len(data["unused_classes"]) == 2  # 4 clients x 2 classes over 10 digits
+    assert "4 clients, 2 classes per client, 1 rounds" in caplog.text
+
+
+def test_a_run_with_more_classes_per_client_than_digits_stops_before_writing(
+        tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="classes_per_client=11 exceeds the 10 classes"):
+        _run_apps(tmp_path / "out", **{"classes-per-client": 11})
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_deployment_writes_the_class_count_partition_its_nodes_report(
+        tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(server_app, "is_deployment", lambda grid: True)
+    grid = _run_apps(tmp_path, **{"num-clients": 4})
+    assert [m.content.config_records["config"]["query"] for m in grid.queries] == [
+        "partition"] * 4
+    run_dir = tmp_path / "digits-cnn-fedavg-c2-s3"
+    written = json.loads((run_dir / "partition.json").read_text())
+    expected = load_partition(parse_run_config(grid.contexts[1].run_config), 4).to_dict()
+    assert written == {**expected, "source": "reported by the SuperNodes"}

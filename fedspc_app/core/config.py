@@ -137,13 +137,14 @@ class RunConfig:
 
     @property
     def resolved_run_name(self) -> str:
-        """``run-name``, or one built from the settings that tell runs apart."""
+        """``run-name``, or one built from the settings that tell runs apart:
+        ``<dataset>-<model>-<label>-a<alpha>-s<seed>``, with ``-c<S>`` in place of
+        ``-a<alpha>`` for ``partition = "classes"``."""
         if self.run_name:
             return self.run_name
-        return (
-            f"{self.dataset}-{self.model}-{self.label}"
-            f"-a{self.alpha:g}-s{self.seed}"
-        )
+        split = (f"c{self.classes_per_client}" if self.partition == "classes"
+                 else f"a{self.alpha:g}")
+        return f"{self.dataset}-{self.model}-{self.label}-{split}-s{self.seed}"
 
     @property
     def run_dir(self) -> Path:

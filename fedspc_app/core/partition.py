@@ -1,16 +1,19 @@
-"""Dirichlet label-skew partitions of a labelled dataset over federated clients.
+"""Label-skew partitions of a labelled dataset over federated clients.
 
-This implements the partitioning scheme of the FedSPC paper. For every class
-``c`` a vector of client proportions ``p_c ~ Dir(alpha * 1_K)`` is drawn; the
-class's training images are split over the ``K`` clients by ``p_c`` and the
-*same* ``p_c`` splits that class's official test images. Each client's test
-split therefore follows its own training label distribution, and since train
-and test indices come from different sets nothing leaks between them. The
-draw is repeated (all classes at once) until every client has at least
+Two schemes (the run-config's ``partition``), both described by client proportions
+``p_c`` per class ``c``: the class's training images are split over the ``K``
+clients by ``p_c`` and the *same* ``p_c`` splits that class's official test images.
+Each client's test split therefore follows its own training label distribution,
+and since train and test indices come from different sets nothing leaks between
+them. The draw is repeated (all classes at once) until every client has at least
 ``min_samples`` training images and at least one test image.
 
-Small ``alpha`` gives strong label skew (each class lands almost entirely on
-one client); large ``alpha`` approaches an IID split.
+* ``dirichlet`` (:func:`dirichlet_partition`), the FedSPC paper's scheme:
+  ``p_c ~ Dir(alpha * 1_K)``. Small ``alpha`` gives strong label skew (each class
+  lands almost entirely on one client); large ``alpha`` approaches an IID split.
+* ``classes`` (:func:`class_partition`), the "pathological" split: each client
+  holds ``S`` classes, every class is held by about the same number of clients,
+  and ``p_c`` splits a class equally among its holders.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import json
 import math
 import numbers
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,14 +35,29 @@ from fedspc_app.core.errors import ConfigError, DataError
 from fedspc_app.core.files import atomic_write
 
 __all__ = [
+    "SCHEMES",
     "Partition",
+    "class_partition",
     "dirichlet_partition",
     "load_partition_counts",
+    "make_partition",
+    "partition_summary",
     "save_partition",
 ]
 
 PARTITION_JSON = "partition.json"
 PARTITION_CSV = "partition.csv"
+
+# The run-config's ``partition`` values and the ``scheme`` partition.json names them by.
+SCHEMES = {"dirichlet": "dirichlet-label-skew", "classes": "class-count"}
+
+
+def _check_scheme(scheme: Any) -> str:
+    if scheme not in SCHEMES:
+        raise ConfigError(
+            f"partition must be one of {', '.join(map(repr, SCHEMES))}, got {scheme!r}"
+        )
+    return scheme
 
 
 def _frozen_index_array(values: Any, what: str) -> np.ndarray:
@@ -55,11 +73,11 @@ def _frozen_index_array(values: Any, what: str) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class Partition:
-    """A Dirichlet label-skew partition of a training and a test set.
+    """A label-skew partition of a training and a test set.
 
-    Produced by :func:`dirichlet_partition` (the FedSPC paper's scheme): class
-    ``c``'s training and test images are both split over the clients by the
-    same proportions ``proportions[c]`` drawn from ``Dir(alpha * 1_K)``.
+    Produced by :func:`dirichlet_partition` (the FedSPC paper's scheme) or
+    :func:`class_partition`: class ``c``'s training and test images are both
+    split over the clients by the same proportions ``proportions[c]``.
 
     Attributes
     ----------
@@ -67,8 +85,8 @@ class Partition:
         Number of clients ``K``.
     num_classes : int
         Number of classes ``C``.
-    alpha : float
-        Dirichlet concentration used for every class.
+    alpha : float or None
+        Dirichlet concentration used for every class (``None`` for ``classes``).
     seed : int
         Seed of the ``numpy.random.Generator`` the partition was drawn with.
     train_indices : tuple of numpy.ndarray
@@ -76,10 +94,14 @@ class Partition:
     test_indices : tuple of numpy.ndarray
         One sorted ``int64`` array per client of indices into the test set.
     proportions : numpy.ndarray
-        ``[num_classes, num_clients]`` accepted Dirichlet draw; row ``c`` is
-        the share of class ``c`` given to each client.
+        ``[num_classes, num_clients]`` accepted draw; row ``c`` is the share of
+        class ``c`` given to each client (all zero for a class nobody holds).
     tries : int
         Number of draws made, the accepted one included.
+    scheme : str, default "dirichlet"
+        The run-config's ``partition`` this was drawn with (a key of ``SCHEMES``).
+    classes_per_client : int or None
+        ``S`` of the ``classes`` scheme; ``None`` for ``dirichlet``.
 
     Notes
     -----
@@ -90,18 +112,21 @@ class Partition:
 
     num_clients: int
     num_classes: int
-    alpha: float
+    alpha: float | None
     seed: int
     train_indices: tuple[np.ndarray, ...]
     test_indices: tuple[np.ndarray, ...]
     proportions: np.ndarray
     tries: int
-    # Per-client, per-class counts, recorded by dirichlet_partition so that
+    scheme: str = "dirichlet"
+    classes_per_client: int | None = None
+    # Per-client, per-class counts, recorded by the partitioners so that
     # train_counts()/test_counts() need no labels.
     _train_counts: np.ndarray | None = field(default=None, repr=False)
     _test_counts: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        _check_scheme(self.scheme)
         train = tuple(
             _frozen_index_array(a, f"train_indices[{k}]") for k, a in enumerate(self.train_indices)
         )
@@ -141,7 +166,8 @@ class Partition:
         test = [int(a.size) for a in self.test_indices]
         return (
             f"Partition(num_clients={self.num_clients}, num_classes={self.num_classes}, "
-            f"alpha={self.alpha!r}, seed={self.seed}, tries={self.tries}, "
+            f"scheme={self.scheme!r}, alpha={self.alpha!r}, "
+            f"classes_per_client={self.classes_per_client!r}, seed={self.seed}, tries={self.tries}, "
             f"train_sizes={train}, test_sizes={test})"
         )
 
@@ -151,7 +177,9 @@ class Partition:
         return (
             self.num_clients == other.num_clients
             and self.num_classes == other.num_classes
+            and self.scheme == other.scheme
             and self.alpha == other.alpha
+            and self.classes_per_client == other.classes_per_client
             and self.seed == other.seed
             and self.tries == other.tries
             and np.array_equal(self.proportions, other.proportions)
@@ -164,7 +192,7 @@ class Partition:
         if counts is None:
             raise DataError(
                 f"This Partition was built without {which} counts; construct it with "
-                "dirichlet_partition(), which records them"
+                "make_partition(), which records them"
             )
         return counts.copy()
 
@@ -197,20 +225,75 @@ class Partition:
         Returns
         -------
         dict
-            Keys ``scheme``, ``num_clients``, ``num_classes``, ``alpha``,
-            ``seed``, ``tries``, ``train_counts`` and ``test_counts`` (nested
-            lists ``[client][class]`` of ints).
+            :func:`partition_summary` of this partition.
         """
-        return {
-            "scheme": "dirichlet-label-skew",
-            "num_clients": int(self.num_clients),
-            "num_classes": int(self.num_classes),
-            "alpha": float(self.alpha),
-            "seed": int(self.seed),
-            "tries": int(self.tries),
-            "train_counts": self.train_counts().tolist(),
-            "test_counts": self.test_counts().tolist(),
-        }
+        return partition_summary(
+            self.scheme,
+            alpha=self.alpha,
+            classes_per_client=self.classes_per_client,
+            seed=self.seed,
+            tries=self.tries,
+            train_counts=self.train_counts(),
+            test_counts=self.test_counts(),
+        )
+
+
+def partition_summary(
+    scheme: str,
+    *,
+    alpha: float | None,
+    classes_per_client: int | None,
+    seed: int,
+    tries: int,
+    train_counts: Any,
+    test_counts: Any,
+) -> dict[str, Any]:
+    """The ``partition.json`` form of a partition, from its per-client class counts.
+
+    Used for a :class:`Partition` and for the counts a deployment's clients report.
+
+    Parameters
+    ----------
+    scheme : str
+        The run-config's ``partition`` (a key of ``SCHEMES``).
+    alpha : float or None
+        The Dirichlet concentration (read for ``dirichlet`` only).
+    classes_per_client : int or None
+        ``S`` (read for ``classes`` only).
+    seed, tries : int
+        The partition's seed and number of draws.
+    train_counts, test_counts : array-like
+        Images per client and class, ``[num_clients, num_classes]``.
+
+    Returns
+    -------
+    dict
+        Keys ``scheme`` (``SCHEMES[scheme]``), ``num_clients``, ``num_classes``,
+        the scheme's own keys, ``seed``, ``tries``, ``train_counts`` and
+        ``test_counts`` (nested lists ``[client][class]`` of ints). ``dirichlet``
+        adds ``alpha``; ``classes`` adds ``classes_per_client``,
+        ``client_classes`` (each client's classes), ``class_holders`` (clients
+        per class) and ``unused_classes`` (classes no client holds, whose images
+        no client gets).
+    """
+    train = np.asarray(train_counts, dtype=np.int64)
+    test = np.asarray(test_counts, dtype=np.int64)
+    data: dict[str, Any] = {
+        "scheme": SCHEMES[_check_scheme(scheme)],
+        "num_clients": int(train.shape[0]),
+        "num_classes": int(train.shape[1]),
+    }
+    if scheme == "dirichlet":
+        data["alpha"] = float(alpha)
+    else:
+        held = train > 0
+        data["classes_per_client"] = int(classes_per_client)
+        data["client_classes"] = [np.flatnonzero(row).tolist() for row in held]
+        data["class_holders"] = held.sum(axis=0).tolist()
+        data["unused_classes"] = np.flatnonzero(~held.any(axis=0)).tolist()
+    data.update(seed=int(seed), tries=int(tries), train_counts=train.tolist(),
+                test_counts=test.tolist())
+    return data
 
 
 # --------------------------------------------------------------------------- #
@@ -243,11 +326,12 @@ def _check_labels(name: str, labels: Any) -> np.ndarray:
 def _split_counts(proportions: np.ndarray, class_sizes: np.ndarray) -> np.ndarray:
     """Images of each class per client, ``int64 [num_classes, num_clients]``: class ``c``
     is cut at ``rint(cumsum(p_c) * n_c)``, so every image goes to one client and client
-    ``k`` receives within 1 image of ``p_ck * n_c``."""
+    ``k`` receives within 1 image of ``p_ck * n_c``. A class whose row ``p_c`` is all
+    zero (no client holds it) goes to nobody."""
     sizes = class_sizes.astype(np.int64)[:, None]
     bounds = np.rint(np.cumsum(proportions, axis=1) * sizes).astype(np.int64)
     bounds = np.minimum(bounds, sizes)
-    bounds[:, -1] = sizes[:, 0]
+    bounds[:, -1] = np.where(proportions.any(axis=1), sizes[:, 0], 0)
     return np.diff(bounds, axis=1, prepend=0)
 
 
@@ -256,17 +340,134 @@ def _assign(labels: np.ndarray, counts: np.ndarray, rng: np.random.Generator) ->
 
     One global permutation followed by a stable sort on the label gives every
     class's indices in uniformly random order, grouped by class, without a
-    Python loop over classes.
+    Python loop over classes. Images beyond a class's row sum go to nobody.
     """
-    num_clients = counts.shape[1]
+    num_classes, num_clients = counts.shape
+    unassigned = np.bincount(labels, minlength=num_classes) - counts.sum(axis=1)
+    table = np.column_stack([counts, unassigned])
     perm = rng.permutation(labels.size)
     grouped = perm[np.argsort(labels[perm], kind="stable")]
     # grouped is class 0's block, then class 1's, ...; within a block, clients
-    # take consecutive runs in order 0..K-1, matching counts' row-major layout.
-    owner = np.repeat(np.tile(np.arange(num_clients), counts.shape[0]), counts.ravel())
+    # take consecutive runs in order 0..K-1 (then K: nobody), matching table's
+    # row-major layout.
+    owner = np.repeat(np.tile(np.arange(num_clients + 1), num_classes), table.ravel())
     by_owner = grouped[np.argsort(owner, kind="stable")]
-    splits = np.cumsum(counts.sum(axis=0))[:-1]
-    return [np.sort(part) for part in np.split(by_owner, splits)]
+    splits = np.cumsum(table.sum(axis=0))[:-1]
+    return [np.sort(part) for part in np.split(by_owner, splits)[:num_clients]]
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """Checked arguments shared by the partitioners."""
+
+    train: np.ndarray
+    test: np.ndarray
+    num_clients: int
+    num_classes: int
+    seed: int
+    min_samples: int
+    max_tries: int
+
+    @property
+    def train_sizes(self) -> np.ndarray:
+        return np.bincount(self.train, minlength=self.num_classes)
+
+    @property
+    def test_sizes(self) -> np.ndarray:
+        return np.bincount(self.test, minlength=self.num_classes)
+
+
+def _check_inputs(train_labels: Any, test_labels: Any, *, num_clients: Any, seed: Any,
+                  min_samples: Any, max_tries: Any, num_classes: Any) -> _Inputs:
+    """Validate what every scheme takes; ConfigError or DataError naming the problem."""
+    num_clients = _check_int("num_clients", num_clients, 1)
+    min_samples = _check_int("min_samples", min_samples, 1)
+    max_tries = _check_int("max_tries", max_tries, 1)
+    seed = _check_int("seed", seed, 0)
+
+    train = _check_labels("train_labels", train_labels)
+    test = _check_labels("test_labels", test_labels)
+    largest = int(max(train.max(), test.max()))
+    if num_classes is None:
+        num_classes = largest + 1
+    else:
+        num_classes = _check_int("num_classes", num_classes, 1)
+        if largest >= num_classes:
+            raise ConfigError(
+                f"num_classes={num_classes} but the labels contain class id {largest}"
+            )
+
+    n_train, n_test = train.size, test.size
+    if num_clients > n_train:
+        raise ConfigError(
+            f"num_clients={num_clients} exceeds the {n_train} training images"
+        )
+    if num_clients * min_samples > n_train:
+        raise ConfigError(
+            f"num_clients={num_clients} x min_samples={min_samples} = "
+            f"{num_clients * min_samples} exceeds the {n_train} training images; "
+            "use fewer clients or a smaller min-samples"
+        )
+    if num_clients > n_test:
+        raise ConfigError(
+            f"num_clients={num_clients} exceeds the {n_test} test images, so some client "
+            "would get no test image"
+        )
+    return _Inputs(train, test, num_clients, num_classes, seed, min_samples, max_tries)
+
+
+def _draw_partition(
+    inputs: _Inputs,
+    draw: Callable[[np.random.Generator], np.ndarray],
+    *,
+    what: str,
+    advice: str,
+    **scheme: Any,
+) -> Partition:
+    """Draw proportions with ``draw`` until every client has ``min_samples`` training
+    images and one test image, then hand out the indices.
+
+    ``what`` names the partition and ``advice`` the scheme's remedy in the DataError
+    raised after ``max_tries`` failed draws; ``scheme`` holds the Partition's
+    ``scheme``, ``alpha`` and ``classes_per_client``.
+    """
+    train_sizes, test_sizes = inputs.train_sizes, inputs.test_sizes
+    rng = np.random.default_rng(inputs.seed)
+    best_train = best_test = -1
+
+    for tries in range(1, inputs.max_tries + 1):
+        proportions = draw(rng)
+        train_counts = _split_counts(proportions, train_sizes)
+        test_counts = _split_counts(proportions, test_sizes)
+        smallest_train = int(train_counts.sum(axis=0).min())
+        smallest_test = int(test_counts.sum(axis=0).min())
+        best_train = max(best_train, smallest_train)
+        best_test = max(best_test, smallest_test)
+        if smallest_train >= inputs.min_samples and smallest_test >= 1:
+            break
+    else:
+        raise DataError(
+            f"Could not draw {what} over K={inputs.num_clients} clients giving every "
+            f"client >= min_samples={inputs.min_samples} training images and >= 1 test "
+            f"image in {inputs.max_tries} tries; the best try's smallest client had "
+            f"{best_train} training images (best smallest test split: {best_test} "
+            f"images). Use {advice}, fewer clients or a smaller min-samples."
+        )
+
+    train_parts = _assign(inputs.train, train_counts, rng)
+    test_parts = _assign(inputs.test, test_counts, rng)
+    return Partition(
+        num_clients=inputs.num_clients,
+        num_classes=inputs.num_classes,
+        seed=inputs.seed,
+        train_indices=tuple(train_parts),
+        test_indices=tuple(test_parts),
+        proportions=proportions,
+        tries=tries,
+        _train_counts=train_counts.T,
+        _test_counts=test_counts.T,
+        **scheme,
+    )
 
 
 def dirichlet_partition(
@@ -334,85 +535,136 @@ def dirichlet_partition(
     alpha = float(alpha)
     if not math.isfinite(alpha) or alpha <= 0.0:
         raise ConfigError(f"alpha must be a positive finite number, got {alpha!r}")
-    num_clients = _check_int("num_clients", num_clients, 1)
-    min_samples = _check_int("min_samples", min_samples, 1)
-    max_tries = _check_int("max_tries", max_tries, 1)
-    seed = _check_int("seed", seed, 0)
+    inputs = _check_inputs(train_labels, test_labels, num_clients=num_clients, seed=seed,
+                           min_samples=min_samples, max_tries=max_tries,
+                           num_classes=num_classes)
+    concentration = np.full(inputs.num_clients, alpha)
 
-    train = _check_labels("train_labels", train_labels)
-    test = _check_labels("test_labels", test_labels)
-    largest = int(max(train.max(), test.max()))
-    if num_classes is None:
-        num_classes = largest + 1
-    else:
-        num_classes = _check_int("num_classes", num_classes, 1)
-        if largest >= num_classes:
-            raise ConfigError(
-                f"num_classes={num_classes} but the labels contain class id {largest}"
-            )
-
-    n_train, n_test = train.size, test.size
-    if num_clients > n_train:
-        raise ConfigError(
-            f"num_clients={num_clients} exceeds the {n_train} training images"
-        )
-    if num_clients * min_samples > n_train:
-        raise ConfigError(
-            f"num_clients={num_clients} x min_samples={min_samples} = "
-            f"{num_clients * min_samples} exceeds the {n_train} training images; "
-            "use fewer clients or a smaller min-samples"
-        )
-    if num_clients > n_test:
-        raise ConfigError(
-            f"num_clients={num_clients} exceeds the {n_test} test images, so some client "
-            "would get no test image"
-        )
-
-    train_sizes = np.bincount(train, minlength=num_classes)
-    test_sizes = np.bincount(test, minlength=num_classes)
-    rng = np.random.default_rng(seed)
-    concentration = np.full(num_clients, alpha)
-    best_train = best_test = -1
-
-    for tries in range(1, max_tries + 1):
-        proportions = rng.dirichlet(concentration, size=num_classes)
+    def draw(rng: np.random.Generator) -> np.ndarray:
+        proportions = rng.dirichlet(concentration, size=inputs.num_classes)
         if not np.isfinite(proportions).all():
             raise DataError(
                 f"numpy produced non-finite Dirichlet proportions for alpha={alpha}; "
                 "use a larger alpha"
             )
-        train_counts = _split_counts(proportions, train_sizes)
-        test_counts = _split_counts(proportions, test_sizes)
-        smallest_train = int(train_counts.sum(axis=0).min())
-        smallest_test = int(test_counts.sum(axis=0).min())
-        best_train = max(best_train, smallest_train)
-        best_test = max(best_test, smallest_test)
-        if smallest_train >= min_samples and smallest_test >= 1:
-            break
-    else:
-        raise DataError(
-            f"Could not draw a Dirichlet partition with alpha={alpha:g} over "
-            f"K={num_clients} clients giving every client >= min_samples={min_samples} "
-            f"training images and >= 1 test image in {max_tries} tries; the best try's "
-            f"smallest client had {best_train} training images (best smallest test split: "
-            f"{best_test} images). Use a larger alpha, fewer clients or a smaller "
-            "min-samples."
+        return proportions
+
+    return _draw_partition(inputs, draw, what=f"a Dirichlet partition with alpha={alpha:g}",
+                           advice="a larger alpha", scheme="dirichlet", alpha=alpha)
+
+
+def _class_holders(num_clients: int, num_classes: int, classes_per_client: int,
+                   rng: np.random.Generator) -> np.ndarray:
+    """Which client holds which class, ``bool [num_classes, num_clients]``.
+
+    Client by client, each takes the ``classes_per_client`` classes held by the
+    fewest clients so far, ties broken at random. The holder counts therefore
+    never differ by more than one, ending at ``floor(K*S/C)`` or ``ceil(K*S/C)``
+    per class, and a client's classes are distinct.
+    """
+    held = np.zeros((num_classes, num_clients), dtype=bool)
+    holders = np.zeros(num_classes, dtype=np.int64)
+    for k in range(num_clients):
+        # lexsort sorts by its last key first: fewest holders, then the random tie-break.
+        chosen = np.lexsort((rng.random(num_classes), holders))[:classes_per_client]
+        held[chosen, k] = True
+        holders[chosen] += 1
+    return held
+
+
+def class_partition(
+    train_labels: np.ndarray,
+    test_labels: np.ndarray,
+    *,
+    num_clients: int,
+    classes_per_client: int,
+    seed: int,
+    min_samples: int = 10,
+    max_tries: int = 1000,
+    num_classes: int | None = None,
+) -> Partition:
+    """Split a training and a test set so that every client holds ``S`` classes.
+
+    The "pathological" label skew: the ``K * S`` class slots are dealt out
+    client by client, each client taking the ``S`` classes held by the fewest
+    clients so far (seeded random tie-breaks), so every class is held by
+    ``floor(K*S/C)`` or ``ceil(K*S/C)`` clients and no client holds a class
+    twice. A class's training images are shuffled and split into equal shares
+    (within one image) among its holders; its test images are split by the same
+    proportions, as in :func:`dirichlet_partition`. With ``K * S < C`` some
+    classes have no holder and their images are used by nobody. Assignments are
+    redrawn until every client has at least ``min_samples`` training images and
+    at least one test image.
+
+    Parameters
+    ----------
+    classes_per_client : int
+        ``S``, the classes each client holds (1 <= S <= ``num_classes``).
+    train_labels, test_labels, num_clients, seed, min_samples, max_tries, num_classes
+        As in :func:`dirichlet_partition` (``max_tries`` counts assignments); the
+        result is a pure function of the labels and these arguments.
+
+    Returns
+    -------
+    Partition
+        With ``scheme="classes"``, ``alpha=None`` and ``proportions[c, k]`` equal
+        to ``1 / holders_c`` for the holders of class ``c``, else 0.
+
+    Raises
+    ------
+    ConfigError
+        For invalid arguments, ``S > C``, a class with fewer training images
+        than the clients that may hold it, or ``num_clients * min_samples``
+        above the number of training images.
+    DataError
+        For malformed labels, or when no assignment within ``max_tries``
+        satisfies the size constraints.
+    """
+    inputs = _check_inputs(train_labels, test_labels, num_clients=num_clients, seed=seed,
+                           min_samples=min_samples, max_tries=max_tries,
+                           num_classes=num_classes)
+    per_client = _check_int("classes_per_client", classes_per_client, 1)
+    if per_client > inputs.num_classes:
+        raise ConfigError(
+            f"classes_per_client={per_client} exceeds the {inputs.num_classes} classes "
+            f"of the dataset; use classes-per-client <= {inputs.num_classes}"
+        )
+    most_holders = -(-inputs.num_clients * per_client // inputs.num_classes)
+    sizes = inputs.train_sizes
+    if sizes.min() < most_holders:
+        raise ConfigError(
+            f"class {int(sizes.argmin())} has {int(sizes.min())} training images, but with "
+            f"K={inputs.num_clients} clients of {per_client} classes each up to "
+            f"{most_holders} clients hold a class; use fewer clients or fewer classes per "
+            "client"
         )
 
-    train_parts = _assign(train, train_counts, rng)
-    test_parts = _assign(test, test_counts, rng)
-    return Partition(
-        num_clients=num_clients,
-        num_classes=num_classes,
-        alpha=alpha,
-        seed=seed,
-        train_indices=tuple(train_parts),
-        test_indices=tuple(test_parts),
-        proportions=proportions,
-        tries=tries,
-        _train_counts=train_counts.T,
-        _test_counts=test_counts.T,
-    )
+    def draw(rng: np.random.Generator) -> np.ndarray:
+        held = _class_holders(inputs.num_clients, inputs.num_classes, per_client, rng)
+        holders = held.sum(axis=1, keepdims=True)
+        return np.divide(held, holders, out=np.zeros(held.shape), where=holders > 0)
+
+    return _draw_partition(inputs, draw,
+                           what=f"a partition with {per_client} classes per client",
+                           advice="more classes per client", scheme="classes",
+                           alpha=None, classes_per_client=per_client)
+
+
+def make_partition(scheme: str, train_labels: np.ndarray, test_labels: np.ndarray, *,
+                   alpha: float | None, classes_per_client: int | None,
+                   **options: Any) -> Partition:
+    """The partition the run-config's ``partition`` names.
+
+    ``dirichlet`` calls :func:`dirichlet_partition` (reads ``alpha``),
+    ``classes`` :func:`class_partition` (reads ``classes_per_client``); the
+    labels and ``options`` (``num_clients``, ``seed``, ``min_samples``,
+    ``max_tries``, ``num_classes``) are passed on. Any other ``scheme`` is a
+    ConfigError, raised before anything else is checked.
+    """
+    if _check_scheme(scheme) == "classes":
+        return class_partition(train_labels, test_labels,
+                               classes_per_client=classes_per_client, **options)
+    return dirichlet_partition(train_labels, test_labels, alpha=alpha, **options)
 
 
 # --------------------------------------------------------------------------- #
@@ -427,7 +679,7 @@ def save_partition(partition: Partition | Mapping[str, Any],
     Parameters
     ----------
     partition : Partition or dict
-        A partition from :func:`dirichlet_partition`, or its :meth:`Partition.to_dict`
+        A partition from :func:`make_partition`, or its :meth:`Partition.to_dict`
         form (e.g. counts reported by deployed clients).
     directory : path-like
         Created if missing. ``partition.json`` holds the dict form;

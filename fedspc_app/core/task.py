@@ -23,7 +23,7 @@ from fedspc_app.core.config import RunConfig
 from fedspc_app.core.datasets import ImageDataset, load_dataset
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.models import build_model
-from fedspc_app.core.partition import Partition, dirichlet_partition
+from fedspc_app.core.partition import Partition, make_partition
 from fedspc_app.core.records import ArrayDict
 
 
@@ -136,13 +136,15 @@ def load_run_dataset(config: RunConfig) -> ImageDataset:
 @functools.lru_cache(maxsize=8)
 def _partition(config_key: tuple, num_clients: int, dataset_name: str,
                data_dir: str, download: bool) -> Partition:
-    alpha, seed, min_samples, max_tries = config_key
+    scheme, alpha, classes_per_client, seed, min_samples, max_tries = config_key
     dataset = load_dataset(dataset_name, data_dir, download=download)
-    return dirichlet_partition(
+    return make_partition(
+        scheme,
         dataset.train_labels.numpy(),
         dataset.test_labels.numpy(),
         num_clients=num_clients,
         alpha=alpha,
+        classes_per_client=classes_per_client,
         seed=seed,
         min_samples=min_samples,
         max_tries=max_tries,
@@ -151,9 +153,11 @@ def _partition(config_key: tuple, num_clients: int, dataset_name: str,
 
 
 def load_partition(config: RunConfig, num_clients: int) -> Partition:
-    """The run's Dirichlet partition over ``num_clients`` (cached per process)."""
+    """The run's partition over ``num_clients`` (``partition``: Dirichlet or class-count;
+    cached per process)."""
     return _partition(
-        (config.alpha, config.seed, config.min_samples, config.partition_max_tries),
+        (config.partition, config.alpha, config.classes_per_client, config.seed,
+         config.min_samples, config.partition_max_tries),
         num_clients,
         config.dataset,
         str(config.resolved_data_dir),

@@ -72,7 +72,7 @@ ABBREVIATIONS = {
     "learning-rate": "lr", "local-epochs": "e", "num-rounds": "r", "batch-size": "b",
     "momentum": "m", "weight-decay": "wd", "proximal-mu": "mu", "ditto-lambda": "lam",
     "fraction-train": "f", "vit-embed-dim": "d", "model-width": "w", "alpha": "a",
-    "seed": "s",
+    "seed": "s", "classes-per-client": "c",
 }
 PLAIN_VALUES = ("method", "model", "dataset")
 
