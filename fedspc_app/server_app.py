@@ -43,6 +43,7 @@ from fedspc_app.core.task import (
     resolve_device,
     state_arrays,
 )
+from fedspc_app.core.tensorboard import check_tensorboard
 from fedspc_app.deployment import is_deployment, preflight, server_dataset
 from strategies import FedSPC, PersonalizedFedAvg, run_rounds
 
@@ -121,6 +122,7 @@ def check_run(grid: Grid, context: Context) -> CheckedRun:
     the partition and the split; raise FedSPCError on bad input."""
     config = parse_run_config(context.run_config)
     method = get_method(config.method)
+    check_tensorboard(config)  # its package, before anything runs
     deployment = is_deployment(grid)
     if deployment and not config.num_clients:
         raise ConfigError(

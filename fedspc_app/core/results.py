@@ -31,6 +31,7 @@ from flwr.serverapp import Grid
 
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.files import atomic_write
+from fedspc_app.core.tensorboard import RoundScalars
 
 # Where a round's time went (README: Speed): each phase's wall time, the sums over
 # its clients of their setup and work seconds, and in a phase that met new ClientApp
@@ -236,6 +237,7 @@ class RunRecorder:
         self.rounds: list[dict[str, Any]] = []
         self.started = time.perf_counter()
         self.last = self.started
+        self.scalars = RoundScalars()  # TensorBoard (run-config 'tensorboard')
 
     # ------------------------------------------------------------------ files
     def start(self, extra: Mapping[str, Any] | None = None, *,
@@ -252,6 +254,7 @@ class RunRecorder:
         # already spent training: it counts towards the round (and its images/s).
         last_end = float(self.rounds[-1]["elapsed-seconds"]) if self.rounds else 0.0
         self.last = min(now, self.started + last_end)
+        self.scalars.open(self.config, self.run_dir, self.rounds)
         if self.rounds:
             self._write_metrics()
             self.echo(f"Results: {self.run_dir} (resumed after round "
@@ -327,6 +330,7 @@ class RunRecorder:
                     zip(evaluate["client-ids"], evaluate["client-global-accuracy"])}
         self.rounds.append(row)
         self._write_metrics()
+        self.scalars.write(row)
         self.echo(self.progress_line(row))
 
     def progress_line(self, row: Mapping[str, Any]) -> str:
@@ -378,6 +382,7 @@ class RunRecorder:
             })
         self._write_metrics(summary)
         write_summary(self.run_dir, _clean_tree(summary))
+        self.scalars.close()
         if paused is not None:
             self.echo(
                 f"[{self.config.label}] paused after round {paused} of "
