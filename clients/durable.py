@@ -4,8 +4,12 @@ Used in two cases. In a deployment, the node-config key ``state-dir``
 (``flower-supernode --node-config "... state-dir='/var/lib/fedspc'"``) keeps each
 client's state under ``<state-dir>/<run-name>/``, so a restarted SuperNode, or a
 resumed run, continues where it was. In simulation with ``checkpoint = true`` the
-clients keep it under the run folder, ``<run folder>/client-state/``, so a killed
-simulation can be resumed.
+clients keep it under the run folder, ``<run folder>/client-state/`` (or
+``<client-state-dir>/<run-name>/``), so a killed simulation can be resumed. There the
+server writes ``run.json`` (the run's token) into the folder first, and a client
+that does not find it as the server wrote it stops (:meth:`DurableState.check_view`):
+on a multi-node Ray cluster a client placed on a node that does not share the folder
+would otherwise start over from the initial state without a word.
 
 Each partition has a committed file ``partition-<id>.npz`` and, between local
 training and the server's decision, a pending one ``partition-<id>.pending.npz``;
@@ -35,6 +39,22 @@ from fedspc_app.core.files import atomic_open, sync_folder
 STATE_DIR_KEY = "state-dir"
 FORMAT_VERSION = 2
 SIMULATION_FOLDER = "client-state"
+VIEW_MARKER = "run.json"  # written by the server of a simulation, read by its clients
+
+
+def simulation_folder(run_dir: Path, run_name: str, client_state_dir: str = "") -> Path:
+    """Where a simulation's clients keep their state: ``<client-state-dir>/<run-name>``
+    when the run-config names one, else ``<run folder>/client-state``."""
+    if client_state_dir:
+        return Path(client_state_dir).expanduser().resolve() / run_name
+    return Path(run_dir) / SIMULATION_FOLDER
+
+
+def write_view_marker(folder: Path, run_name: str, run_token: str) -> None:
+    """The server's mark on a simulation's client-state folder (see :meth:`check_view`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with atomic_open(folder / VIEW_MARKER) as handle:
+        handle.write(json.dumps({"run-name": run_name, "run-token": run_token}).encode())
 
 
 class DurableStateError(FedSPCError, RuntimeError):
@@ -53,16 +73,40 @@ class DurableState:
     @classmethod
     def for_node(cls, node_config: Mapping, run_dir: Path, run_name: str,
                  partition_id: int, *, deployment: bool, checkpoint: bool,
-                 run_token: str = "") -> DurableState | None:
+                 run_token: str = "", client_state_dir: str = "") -> DurableState | None:
         """The store this client uses, or ``None`` when its state lives in memory."""
         state_dir = str(node_config.get(STATE_DIR_KEY, "") or "")
         if state_dir:
             directory = Path(state_dir).expanduser() / run_name
         elif checkpoint and not deployment:
-            directory = run_dir / SIMULATION_FOLDER
+            directory = simulation_folder(run_dir, run_name, client_state_dir)
         else:
             return None
         return cls(directory, run_name, partition_id, run_token)
+
+    def check_view(self) -> None:
+        """Stop unless this node sees the folder as the server of the simulation wrote
+        it: its ``run.json`` with this run's token.
+
+        Raises
+        ------
+        DurableStateError
+            Naming the folder and the fix (a folder every node shares).
+        """
+        try:
+            marker = json.loads((self.directory / VIEW_MARKER).read_text())
+        except (OSError, ValueError):
+            marker = None
+        if isinstance(marker, dict) and marker.get("run-token") == self.run_token:
+            return
+        found = ("no readable run.json in it" if not isinstance(marker, dict)
+                 else "its run.json is of another run")
+        raise DurableStateError(
+            f"this node does not see the client-state folder {self.directory} as the "
+            f"server wrote it ({found}). A simulation's clients keep their state there "
+            "between rounds, so on a multi-node Ray cluster it must be a folder every "
+            "node sees at the same path (a shared filesystem): set run-config "
+            "client-state-dir to one, or put output-dir on one (docs/DEPLOYMENT.md)")
 
     def path(self, slot: str = COMMITTED) -> Path:
         suffix = ".pending.npz" if slot == PENDING else ".npz"

@@ -26,6 +26,7 @@ from fedspc_app.core import startup
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.methods import Method, get_method
+from fedspc_app.core.precision import apply_determinism
 from fedspc_app.core.protocol import (
     ACCEPTED_ROUNDS,
     ARRAYS,
@@ -46,6 +47,7 @@ from fedspc_app.core.protocol import (
     QUERY,
     REFERENCE_CHANGE,
     REFERENCE_UPLOAD,
+    RUN_NAME,
     RUN_TOKEN,
     SERVER_ROUND,
     SETUP_SECONDS,
@@ -104,11 +106,15 @@ def check_node_config(node_config) -> tuple[int, int]:
     return partition_id, num_partitions
 
 
-def node_run_config(context: Context) -> RunConfig:
-    """The run-config as this node uses it: a node-config ``data-dir`` overrides the run's."""
+def node_run_config(context: Context, message: Message | None = None) -> RunConfig:
+    """The run-config as this node uses it: a node-config ``data-dir`` overrides the
+    run's, and the run name the server settled on (``message``'s) the requested one."""
     config = parse_run_config(context.run_config)
     data_dir = str(context.node_config.get("data-dir", "") or "")
-    return config.replace(data_dir=data_dir) if data_dir else config
+    if data_dir:
+        config = config.replace(data_dir=data_dir)
+    run_name = message_config(message).get(RUN_NAME) if message is not None else None
+    return config.replace(run_name=str(run_name)) if run_name else config
 
 
 def node_partition(message: Message, context: Context) -> tuple[int, int]:
@@ -147,7 +153,8 @@ class ClientSetup:
 
     @classmethod
     def from_message(cls, message: Message, context: Context) -> ClientSetup:
-        config = node_run_config(context)
+        config = node_run_config(context, message)
+        apply_determinism(config.deterministic)
         method = get_method(config.method)
         partition_id, num_partitions = node_partition(message, context)
         data = client_data(config, partition_id, num_partitions)
@@ -156,7 +163,8 @@ class ClientSetup:
         store = DurableState.for_node(context.node_config, config.run_dir,
                                       config.resolved_run_name, partition_id,
                                       deployment=deployment, checkpoint=config.checkpoint,
-                                      run_token=str(message_config(message).get(RUN_TOKEN, "")))
+                                      run_token=str(message_config(message).get(RUN_TOKEN, "")),
+                                      client_state_dir=config.client_state_dir)
         split = parameter_split(model, method, shared_keys=config.shared_keys,
                                 personal_keys=config.personal_keys)
         return cls(config, method, data, split, model,
@@ -177,6 +185,8 @@ class ClientSetup:
             ledger.commit()
             return ledger, ledger.committed()
         where = f"run {self.config.resolved_run_name!r}, partition {self.partition_id}"
+        if self.store is not None and not self.deployment and self.keeps_state:
+            self.store.check_view()  # a simulation: the folder as its server wrote it
         if decisions.durable_through == 0 and self.deployment and self.keeps_state \
                 and self.store is None and ClientState.from_records(context.state) is None:
             log(WARNING, "Client state of %s lives only in this SuperNode's memory (no "
@@ -303,7 +313,7 @@ def query(message: Message, context: Context) -> Message:
             reply_to=message)
     if kind != PARTITION_QUERY:
         raise ValueError(f"unknown query {kind!r}")
-    config = node_run_config(context)
+    config = node_run_config(context, message)
     partition_id, num_partitions = node_partition(message, context)
     client_data(config, partition_id, num_partitions)  # data, partition id and device
     partition = load_partition(config, num_partitions)

@@ -21,7 +21,14 @@ from fedspc_app.core.config import RunConfig
 from fedspc_app.core.datasets import ImageDataset
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.partition import partition_summary
-from fedspc_app.core.protocol import CONFIG, METRICS, NUM_CLIENTS, PARTITION_QUERY, QUERY
+from fedspc_app.core.protocol import (
+    CONFIG,
+    METRICS,
+    NUM_CLIENTS,
+    PARTITION_QUERY,
+    QUERY,
+    RUN_NAME,
+)
 from fedspc_app.core.task import (
     KNOWN_SHAPES,
     DatasetShape,
@@ -85,7 +92,8 @@ def preflight(grid: Grid, config: RunConfig, num_clients: int, shape: DatasetSha
     node_ids = sorted(grid.get_node_ids())
     messages = [
         Message(RecordDict({CONFIG: ConfigRecord({QUERY: PARTITION_QUERY,
-                                                 NUM_CLIENTS: num_clients})}),
+                                                 NUM_CLIENTS: num_clients,
+                                                 RUN_NAME: config.resolved_run_name})}),
                 dst_node_id=node_id, message_type=MessageType.QUERY)
         for node_id in node_ids
     ]

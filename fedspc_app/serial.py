@@ -34,6 +34,7 @@ from clients.local import uses_control_variates
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.correction import global_reference_update, zeros_like
 from fedspc_app.core.methods import get_method
+from fedspc_app.core.precision import apply_determinism
 from fedspc_app.core.protocol import EXAMPLES_SEEN, NUM_EXAMPLES, TRAIN_LOSS
 from fedspc_app.core.split import parameter_split
 from fedspc_app.core.task import (
@@ -59,6 +60,7 @@ class _Clients:
 
     def __init__(self, config: RunConfig, num_clients: int) -> None:
         self.config = config
+        apply_determinism(config.deterministic)
         self.method = get_method(config.method)
         dataset = load_run_dataset(config)
         load_partition(config, num_clients)

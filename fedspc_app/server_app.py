@@ -14,6 +14,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from logging import ERROR, INFO, WARNING
+from pathlib import Path
 from typing import Any
 
 from flwr.app import ConfigRecord, Context, MetricRecord
@@ -21,20 +22,22 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 from torch import nn
 
-from clients.durable import SIMULATION_FOLDER
+from clients.durable import simulation_folder, write_view_marker
 from clients.local import keeps_client_state
 from fedspc_app import warm_up
 from fedspc_app.core.checkpoint import TRAINED, RoundRecords, fingerprint, resume_point
 from fedspc_app.core.config import RunConfig, parse_run_config
+from fedspc_app.core.datasets import ImageDataset
 from fedspc_app.core.errors import ConfigError, FedSPCError
 from fedspc_app.core.files import folder_lock
 from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.partition import save_partition
 from fedspc_app.core.pause import RunPaused, clear_pause
-from fedspc_app.core.precision import emulation_warning, precision_report
-from fedspc_app.core.protocol import ACCEPTED_ROUNDS, DEPLOYMENT, NUM_CLIENTS
+from fedspc_app.core.precision import apply_determinism, emulation_warning, precision_report
+from fedspc_app.core.protocol import ACCEPTED_ROUNDS, DEPLOYMENT, NUM_CLIENTS, RUN_NAME
 from fedspc_app.core.records import to_record
 from fedspc_app.core.results import RunRecorder, TrafficGrid, read_summary
+from fedspc_app.core.runfolder import claim_run_folder
 from fedspc_app.core.split import ParameterSplit, parameter_split
 from fedspc_app.core.task import (
     DatasetShape,
@@ -45,6 +48,7 @@ from fedspc_app.core.task import (
 )
 from fedspc_app.core.tensorboard import check_tensorboard
 from fedspc_app.deployment import is_deployment, preflight, server_dataset
+from fedspc_app.server_eval import ServerEvaluator, check_server_evaluation
 from strategies import FedSPC, PersonalizedFedAvg, run_rounds
 
 app = ServerApp()
@@ -100,6 +104,7 @@ class CheckedRun:
     model: nn.Module
     split: ParameterSplit
     warm_up: warm_up.WarmUp | None = None
+    dataset: ImageDataset | None = None  # when the server holds the data
 
 
 @app.main()
@@ -120,7 +125,9 @@ def main(grid: Grid, context: Context) -> None:
 def check_run(grid: Grid, context: Context) -> CheckedRun:
     """Parse the run-config, check the data (or the clients' data in a deployment),
     the partition and the split; raise FedSPCError on bad input."""
-    config = parse_run_config(context.run_config)
+    config, note = claim_run_folder(parse_run_config(context.run_config))
+    if note:
+        log(INFO, "%s", note)
     method = get_method(config.method)
     check_tensorboard(config)  # its package, before anything runs
     deployment = is_deployment(grid)
@@ -143,8 +150,9 @@ def check_run(grid: Grid, context: Context) -> CheckedRun:
     model = make_model(config, shape)
     split = parameter_split(model, method, shared_keys=config.shared_keys,
                             personal_keys=config.personal_keys)
+    check_server_evaluation(config, split, dataset)
     return CheckedRun(config, method, deployment, num_clients, shape, sizes, partition,
-                      model, split, warming)
+                      model, split, warming, dataset)
 
 
 def train(grid: Grid, checked: CheckedRun) -> None:
@@ -182,6 +190,8 @@ def train(grid: Grid, checked: CheckedRun) -> None:
         "personal-keys": list(split.personal),
         "resumed-after-round": resumed.round if resumed else 0,
         "precision": precision,
+        # The server's own settings; each client applies the same key for itself.
+        "deterministic": apply_determinism(config.deterministic),
         **({"client-warm-up": warmed} if warmed else {}),
     }, rounds=resumed.rounds if resumed else None,
         elapsed=resumed.elapsed_seconds if resumed else 0.0)
@@ -195,8 +205,22 @@ def train(grid: Grid, checked: CheckedRun) -> None:
     records = RoundRecords(config, strategy, recorder, identity, resumed)
     if not strategy.run_token:  # a new run (a resumed one keeps its checkpoint's)
         strategy.run_token = secrets.token_hex(8)
-    round_config = {NUM_CLIENTS: num_clients, DEPLOYMENT: deployment}
+    if not deployment and config.checkpoint and keeps_client_state(method, config, split):
+        # The clients check they see the folder so (DurableState.check_view).
+        write_view_marker(client_state_folder(config), config.resolved_run_name,
+                          strategy.run_token)
+    round_config = {NUM_CLIENTS: num_clients, DEPLOYMENT: deployment,
+                    RUN_NAME: config.resolved_run_name}
     initial = resumed.shared if resumed else state_arrays(checked.model, split.shared)
+    on_round_end = records.on_round_end
+    if config.evaluate_server:
+        evaluator = ServerEvaluator(config, checked.model, checked.dataset)
+
+        def on_round_end(server_round, train_metrics, evaluate_metrics, report):
+            if evaluate_metrics is not None:  # an evaluated round: the server's model too
+                evaluate_metrics.update(evaluator(records.shared))
+            records.on_round_end(server_round, train_metrics, evaluate_metrics, report)
+
     evaluate_first = resumed is not None and resumed.phase == TRAINED
     try:
         run_rounds(
@@ -215,7 +239,7 @@ def train(grid: Grid, checked: CheckedRun) -> None:
             evaluate_fraction=config.evaluate_fraction,
             failed_streak=resumed.failed_streak if resumed else 0,
             on_trained=records.on_trained,
-            on_round_end=records.on_round_end,
+            on_round_end=on_round_end,
         )
     except RunPaused as paused:
         clear_pause(recorder.run_dir)
@@ -232,7 +256,12 @@ def train(grid: Grid, checked: CheckedRun) -> None:
               and keeps_client_state(method, config, split))
     recorder.finish(can_extend=config.checkpoint and not remove)
     if remove:
-        shutil.rmtree(recorder.run_dir / SIMULATION_FOLDER, ignore_errors=True)
+        shutil.rmtree(client_state_folder(config), ignore_errors=True)
+
+
+def client_state_folder(config: RunConfig) -> Path:
+    """Where the clients of a simulation keep their state (``client-state-dir``)."""
+    return simulation_folder(config.run_dir, config.resolved_run_name, config.client_state_dir)
 
 
 def run_precision(config: RunConfig, deployment: bool) -> dict[str, Any]:
@@ -266,7 +295,7 @@ def check_saved_client_state(checked: CheckedRun, strategy_state: dict) -> None:
     initial ones, another experiment. In a deployment the SuperNodes check theirs.
     """
     config = checked.config
-    folder = config.run_dir / SIMULATION_FOLDER
+    folder = client_state_folder(config)
     if (checked.deployment or folder.is_dir()
             or not keeps_client_state(checked.method, config, checked.split)
             or not any(int(r) for r in strategy_state.get(ACCEPTED_ROUNDS, []))):

@@ -387,7 +387,8 @@ class PersonalizedFedAvg(FedAvg):
             keys = self.drift_keys if self.drift_keys is not None else tuple(
                 k for k in self.shared_keys if np.issubdtype(self.broadcast[k].dtype,
                                                              np.floating))
-            drift = drift_statistics(self.broadcast, updates, weights, keys)
+            if keys:  # nothing shared (method "local"): no drift to measure
+                drift = drift_statistics(self.broadcast, updates, weights, keys)
         losses = [float(m[TRAIN_LOSS]) for m in metrics if TRAIN_LOSS in m]
         summary = MetricRecord({
             "clients": len(accepted),

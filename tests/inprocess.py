@@ -110,3 +110,16 @@ class InProcessGrid(Grid):
 
     def state(self, partition_id: int) -> RecordDict:
         return self.contexts[self.node_ids[partition_id]].state
+
+
+def run_server(grid: Grid, run_config: Mapping[str, Any]) -> str | None:
+    """Run the real ServerApp on ``grid``; the message it stopped with (its
+    ``SystemExit``), or ``None`` when it ran to the end."""
+    from fedspc_app import server_app
+
+    try:
+        server_app.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                      run_config=dict(run_config)))
+    except SystemExit as stop:
+        return str(stop)
+    return None

@@ -193,6 +193,7 @@ CHOICES = {
     "precision": ["auto", "fp32", "bf16"],
     "fedspc-upload": ["derived", "explicit"],
     "fedbabu-finetune-parts": ["all", "head"],
+    "partition": ["dirichlet", "classes"],
 }
 
 
@@ -223,6 +224,9 @@ def test_methods_registry_is_what_validation_accepts(method):
     # ... and with FedSPC unless it already corrects everything (SCAFFOLD).
     if METHODS[method].control_variates:
         with pytest.raises(ConfigError, match="set fedspc = false"):
+            parse_run_config({"method": method, "fedspc": True})
+    elif METHODS[method].shared == "none":
+        with pytest.raises(ConfigError, match="shares nothing with the server"):
             parse_run_config({"method": method, "fedspc": True})
     else:
         config = parse_run_config({"method": method, "fedspc": True})
@@ -317,7 +321,8 @@ def test_scaffold_without_fedspc_is_fine(fedspc):
         validate(config.replace(fedspc=True))
 
 
-@pytest.mark.parametrize("method", sorted(m for m in METHODS if m != "scaffold"))
+@pytest.mark.parametrize("method", sorted(m for m in METHODS
+                                          if m not in ("scaffold", "local")))
 def test_every_other_method_accepts_fedspc(method):
     config = parse_run_config({"method": method, "fedspc": "true"})
     assert config.fedspc is True

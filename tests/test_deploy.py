@@ -17,6 +17,7 @@ the runs are 2-3 rounds of one local epoch on digits.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -57,7 +58,7 @@ from fedspc_app.launch.processes import (
     owned_processes,
     start_time,
 )
-from fedspc_app.launch.superlink import LocalSuperLink, run_simulation
+from fedspc_app.launch.superlink import LocalSuperLink, SimulationFailed, run_simulation
 
 
 # ============================================================== in-process: server side
@@ -326,13 +327,11 @@ def test_submit_merges_a_preset_and_overrides_and_requires_num_clients(tmp_path)
 
 
 # ================================================================== Ray cluster
-@pytest.mark.deploy
-def test_simulation_runs_on_an_existing_multi_node_ray_cluster(tmp_path, monkeypatch):
-    """A Ray head and a worker (1 CPU each); the SuperLink's simulation joins via RAY_ADDRESS.
-
-    Two clients of one CPU each need both nodes: an actor on each. Had the
-    simulation started its own Ray instance, no actor would log in this cluster.
-    """
+@contextlib.contextmanager
+def two_node_ray(tmp_path, monkeypatch, worker_env=None):
+    """A Ray head and a worker on loopback (1 CPU each), joined via RAY_ADDRESS; yields
+    Ray's temp folder. ``worker_env``: environment variables only the worker node has.
+    Both nodes are stopped by PID, with everything they started."""
     import tempfile
 
     ray_tmp = Path(tempfile.mkdtemp(prefix="fr", dir="/tmp"))  # Ray's socket paths are short
@@ -342,10 +341,31 @@ def test_simulation_runs_on_an_existing_multi_node_ray_cluster(tmp_path, monkeyp
     worker = None
     try:
         assert head.wait_for_log("Ray runtime started", 180), head.log_text()[-2000:]
-        worker = ray_worker_process(f"127.0.0.1:{port}", num_cpus=1,
-                                    log_file=tmp_path / "ray-worker.log").start()
+        with monkeypatch.context() as only_the_worker:
+            for name, value in (worker_env or {}).items():
+                only_the_worker.setenv(name, value)
+            worker = ray_worker_process(f"127.0.0.1:{port}", num_cpus=1,
+                                        log_file=tmp_path / "ray-worker.log").start()
         assert worker.wait_for_log("Ray runtime started", 180), worker.log_text()[-2000:]
         monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+        yield ray_tmp
+    finally:
+        for process in (worker, head):
+            if process is not None:
+                tree = owned_processes(process.pid) if process.process else {}
+                process.stop()
+                assert all(start_time(pid) != started for pid, started in tree.items())
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.mark.deploy
+def test_simulation_runs_on_an_existing_multi_node_ray_cluster(tmp_path, monkeypatch):
+    """A Ray head and a worker (1 CPU each); the SuperLink's simulation joins via RAY_ADDRESS.
+
+    Two clients of one CPU each need both nodes: an actor on each. Had the
+    simulation started its own Ray instance, no actor would log in this cluster.
+    """
+    with two_node_ray(tmp_path, monkeypatch) as ray_tmp:
         with LocalSuperLink(tmp_path / "flwr-home") as superlink:
             summary = run_simulation(
                 {"num-rounds": 2, "local-epochs": 1, "output-dir": str(tmp_path),
@@ -358,13 +378,31 @@ def test_simulation_runs_on_an_existing_multi_node_ray_cluster(tmp_path, monkeyp
                   for path in logs.glob("worker-*")
                   if "ClientAppActor" in path.read_text(errors="replace")}
         assert len(actors) == 2, sorted(p.name for p in logs.glob("worker-*"))
-    finally:
-        for process in (worker, head):
-            if process is not None:
-                tree = owned_processes(process.pid) if process.process else {}
-                process.stop()
-                assert all(start_time(pid) != started for pid, started in tree.items())
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.mark.deploy
+def test_a_ray_node_without_the_client_state_folder_stops_its_clients(tmp_path, monkeypatch):
+    """client-state-dir = "~/fedspc-state": the worker node has another HOME, so it sees
+    another folder there (as a machine whose disk is not shared would). Its clients stop
+    with the error naming the folder and the fix, instead of starting over silently."""
+    monkeypatch.setenv("HOME", str(tmp_path / "head-home"))
+    worker_home = {"HOME": str(tmp_path / "worker-home")}
+    with two_node_ray(tmp_path, monkeypatch, worker_env=worker_home), \
+            LocalSuperLink(tmp_path / "flwr-home") as superlink, \
+            pytest.raises(SimulationFailed):
+        run_simulation(
+            {"method": "fedrep", "fedspc": True, "num-rounds": 2, "local-epochs": 1,
+             "output-dir": str(tmp_path), "run-name": "views",
+             "client-state-dir": "~/fedspc-state", "min-train-replies": 1.0,
+             "max-failed-rounds": 1},
+            superlink=superlink, clients=2, client_cpus=1, log_file=tmp_path / "run.log",
+            timeout=900)
+    metrics = json.loads((tmp_path / "views" / "metrics.json").read_text())
+    reasons = " ".join(metrics["rounds"][0]["dropped-reasons"])
+    missing = tmp_path / "worker-home" / "fedspc-state" / "views"
+    assert f"does not see the client-state folder {missing}" in reasons, reasons
+    assert (tmp_path / "head-home" / "fedspc-state" / "views" / "run.json").is_file()
+    assert not list(missing.glob("partition-*"))
 
 
 # ====================================================================== loopback runs

@@ -9,6 +9,7 @@ warning.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -21,7 +22,7 @@ from flwr.app import (
     MessageType,
     RecordDict,
 )
-from inprocess import InProcessGrid
+from inprocess import InProcessGrid, run_server
 
 from clients.durable import DurableState, DurableStateError
 from clients.state import (
@@ -316,3 +317,43 @@ def test_a_failed_round_settles_the_decision_but_stages_nothing(tmp_path):
     # Round 2 is committed (the server's decision stands); the failed round 3 left nothing.
     assert sorted(p.name for p in folder.iterdir()) == ["partition-0.npz"]
     assert (folder / "partition-0.npz").read_bytes() == round_2
+
+
+# ------------------------------------------- a simulation's folder, as every node sees it
+def simulate(tmp_path, views=None, **keys):
+    """FedRep + FedSPC, 2 rounds, 2 clients, checkpoint on; ``views`` maps a node id to
+    the client-state-dir that node sees (another node's view of the folder)."""
+    run_config = {"method": "fedrep", "fedspc": True, "num-rounds": 2, "local-epochs": 1,
+                  "alpha": 0.5, "output-dir": str(tmp_path / "out"), "run-name": "run",
+                  "keep-client-state": True, **keys}
+    grid = InProcessGrid(client_app.app, 2, run_config)
+    for node_id, folder in (views or {}).items():
+        grid.contexts[node_id].run_config["client-state-dir"] = str(folder)
+    error = run_server(grid, run_config)
+    rounds = json.loads((tmp_path / "out" / "run" / "metrics.json").read_text())["rounds"]
+    return rounds, error
+
+
+def test_client_state_dir_holds_the_clients_state_under_the_run_name(tmp_path):
+    shared = tmp_path / "shared"
+    rounds, error = simulate(tmp_path, **{"client-state-dir": str(shared)})
+    assert error is None and [r["train-dropped"] for r in rounds] == [0, 0]
+    assert sorted(p.name for p in (shared / "run").iterdir()) == [
+        "partition-0.npz", "partition-1.npz", "run.json"]
+    assert not (tmp_path / "out" / "run" / "client-state").exists()
+
+
+def test_a_node_that_sees_another_folder_stops_before_it_trains(tmp_path):
+    """Node 2 sees an empty folder where the server wrote run.json (as a node of a Ray
+    cluster whose disk is not shared would): its client stops every round with one
+    error naming the folder and the fix, writes no state, and the rounds fail."""
+    shared, elsewhere = tmp_path / "shared", tmp_path / "node-2-disk"
+    rounds, error = simulate(tmp_path, views={2: elsewhere}, **{
+        "client-state-dir": str(shared), "min-train-replies": 1.0, "max-failed-rounds": 2})
+    assert error is not None and "2 rounds in a row failed" in error
+    reasons = " ".join(reason for r in rounds for reason in r["dropped-reasons"])
+    assert f"does not see the client-state folder {elsewhere / 'run'}" in reasons
+    assert "no readable run.json" in reasons and "client-state-dir" in reasons
+    assert [r["failed"] for r in rounds] == [1, 1]
+    assert not (elsewhere / "run" / "partition-1.npz").exists()
+    assert not (elsewhere / "run" / "partition-1.pending.npz").exists()

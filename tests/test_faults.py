@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import Array, Context, Message, MessageType, MetricRecord, RecordDict
-from inprocess import InProcessGrid
+from inprocess import InProcessGrid, run_server
 
 from clients.state import COMMITTED, PENDING, ClientState
 from fedspc_app import client_app, server_app
@@ -82,12 +82,7 @@ def run(tmp: Path, client=None, grid_type=InProcessGrid, **overrides):
     run_config = {**BASE, "output-dir": str(tmp), "run-name": "run",
                   **{key.replace("_", "-"): value for key, value in overrides.items()}}
     grid = grid_type(client or client_app.app, K, run_config)
-    error = None
-    try:
-        server_app.main(grid, Context(run_id=1, node_id=0, node_config={},
-                                      state=RecordDict(), run_config=run_config))
-    except SystemExit as exit_:
-        error = str(exit_)
+    error = run_server(grid, run_config)
     metrics = json.loads((tmp / "run" / "metrics.json").read_text())
     return grid, metrics["rounds"], error
 
@@ -384,7 +379,7 @@ def test_a_pause_that_cannot_or_need_not_stop_the_run_is_dropped(tmp, overrides,
     assert not (tmp / "run" / PAUSE_REQUEST).exists()
 
 
-def test_an_unfinished_run_is_never_restarted_over_but_a_finished_one_is(tmp):
+def test_a_run_is_never_restarted_over_without_overwrite(tmp):
     crashing = Crashing(client_app.app, K, {})
 
     def grid(*args):
@@ -395,11 +390,14 @@ def test_an_unfinished_run_is_never_restarted_over_but_a_finished_one_is(tmp):
     with pytest.raises(Crash):
         run(tmp, grid_type=grid, checkpoint=True)
     _, _, error = run(tmp, checkpoint=True)
-    assert error is not None and "checkpoint of an unfinished run" in error
+    assert error is not None and "holds an unfinished run (checkpoint after round 1)" in error
     assert (tmp / "run" / CHECKPOINT_JSON).is_file()
     _, rounds, error = run(tmp, checkpoint=True, resume=True)
     assert error is None and len(rounds) == 3
-    _, rounds, error = run(tmp, checkpoint=True, num_rounds=1)  # finished: start again
+    _, rounds, error = run(tmp, checkpoint=True, num_rounds=1)  # finished: still kept
+    assert error is not None and "holds a finished run of 3 rounds" in error
+    assert len(rounds) == 3
+    _, rounds, error = run(tmp, checkpoint=True, num_rounds=1, overwrite=True)
     assert error is None and len(rounds) == 1
 
 
@@ -599,3 +597,20 @@ def test_a_failed_round_keeps_the_last_checkpoint_and_is_done_again_on_resume(
     assert [r["round"] for r in rounds] == [1, 2, 3]
     assert [r["failed"] for r in rounds] == [0, 0, 0]
     assert all(r["checkpoint-seconds"] > 0 for r in rounds)  # measured every round
+
+
+def test_a_finite_blow_up_fails_its_rounds_and_stops_the_run(tmp):
+    """FedRep + FedSPC at learning-rate 5000: whether a client's loss reaches NaN or a
+    finite 1e25, it has diverged; every round fails and max-failed-rounds stops the
+    run with nothing of the blow-up aggregated."""
+    grid, rounds, error = run(tmp, num_rounds=6, max_failed_rounds=3, learning_rate=5000.0)
+    assert error is not None and "3 rounds in a row failed" in error
+    assert [r["failed"] for r in rounds] == [1, 1, 1]
+    reasons = " ".join(reason for r in rounds for reason in r["dropped-reasons"])
+    assert "DivergenceError" in reasons
+    assert "over 100 times" in reasons  # finite blow-ups, caught by the factor
+    first = broadcast(grid, 1)
+    for server_round in (2, 3):  # nothing was aggregated: the initial body, finite
+        for key, value in broadcast(grid, server_round).items():
+            np.testing.assert_array_equal(value, first[key])
+    assert all_finite(first)

@@ -30,10 +30,12 @@ from fedspc_app.core.records import from_record
 from fedspc_app.core.split import parameter_split
 from fedspc_app.core.task import (
     client_data,
+    initial_model,
     load_arrays,
     make_model,
+    seeded_generator,
 )
-from fedspc_app.core.training import evaluate_model
+from fedspc_app.core.training import evaluate_model, train_epochs
 from fedspc_app.serial import run_serial
 
 NUM_CLIENTS = 3
@@ -83,7 +85,7 @@ def train_replies(grid: InProcessGrid):
 
 
 CASES = [(name, spc) for name in METHODS for spc in (False, True)
-         if not (METHODS[name].control_variates and spc)]
+         if not (spc and (METHODS[name].control_variates or METHODS[name].shared == "none"))]
 
 
 @pytest.mark.parametrize(("method", "fedspc"), CASES)
@@ -326,6 +328,30 @@ def test_accuracy_before_aggregation_is_the_trained_model_of_each_client(method)
     row = metrics["rounds"][-1]
     assert set(row["client-accuracy-before-aggregation"]) == {"0", "1", "2"}
     assert row["accuracy-before-aggregation"] != row["accuracy"]
+
+
+def test_local_clients_train_alone_and_send_no_parameter():
+    """Method ``local``: every message's array record is empty, and each client's
+    accuracy after two rounds is that of its own model trained alone, round after
+    round, on its own batches (recomputed here without the apps)."""
+    grid, metrics = run_app("local", False)
+    for message in grid.sent + grid.replies:
+        assert all(len(record) == 0 for record in message.content.array_records.values())
+    assert "update-norm" not in metrics["rounds"][-1]  # nothing shared: no drift
+    config = parse_run_config({**grid.contexts[1].run_config})
+    reported = evaluation_replies(grid)[2]
+    for k in range(NUM_CLIENTS):
+        data = client_data(config, k, NUM_CLIENTS)
+        model = initial_model(config, data.dataset)
+        for server_round in (1, 2):
+            train_epochs(model, data.batches("train", seeded_generator(config.seed,
+                                                                       server_round, k,
+                                                                       "train")),
+                         epochs=config.local_epochs,
+                         trainable=[name for name, _ in model.named_parameters()],
+                         **config.step_options)
+        correct, examples, _ = evaluate_model(model, data.batches("test")())
+        assert (correct, examples) == reported[k][:2]
 
 
 def test_ditto_evaluates_the_received_global_model_on_request():

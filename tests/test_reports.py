@@ -475,3 +475,20 @@ def test_the_drift_figure_leaves_out_the_panels_a_method_did_not_record(tmp_path
     # Each quantity is named once, on the first panel that draws it.
     labels = [ax.get_ylabel() for ax in visible if ax.get_ylabel()]
     assert sorted(labels) == sorted(label for _, label, _ in plots.DRIFT_PANELS)
+
+
+def test_a_class_count_run_is_a_setting_of_its_own_and_its_partition_plot_says_so(tmp_path):
+    from fedspc_app.experiments.cli import split_label
+    from fedspc_app.experiments.records import read_record
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    rc = {"dataset": "cifar100", "model": "cnn", "method": "local", "partition": "classes",
+          "classes-per-client": 5, "alpha": 0.1}
+    (folder / "config.json").write_text(json.dumps({"run-config": rc}))
+    assert read_record(folder).setting == "cifar100-cnn 5 classes/client"
+    rc["partition"] = "dirichlet"
+    (folder / "config.json").write_text(json.dumps({"run-config": rc}))
+    assert read_record(folder).setting == "cifar100-cnn"
+    assert split_label({"alpha": 0.1}) == "alpha = 0.1"
+    assert split_label({"classes_per_client": 5}) == "5 classes per client"

@@ -158,3 +158,35 @@ def test_a_frozen_parameter_is_left_alone_and_its_momentum_starts_when_it_trains
     train_epochs(net, batches(), epochs=1, trainable=body, learning_rate=0.05, momentum=0.9)
     for key, value in head.items():
         assert torch.equal(net.state_dict()[key], value)
+
+
+class Scalar(nn.Module):
+    """f(x) = w x with w = 1: loss (w x - y)^2 / 2 on x = 1, y = 0 is w^2 / 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return self.w * x
+
+
+def test_a_finite_blow_up_over_the_divergence_factor_names_its_step():
+    """lr = 3: w <- w - 3 w = -2 w each step, so the step losses are 0.5, 2, 8, 32, 128:
+    step 5 is the first over 100 x max(1, 0.5) = 100."""
+    one = [(torch.ones(1), torch.zeros(1))] * 6
+
+    def half_squared(out, y):
+        return ((out - y) ** 2).mean() / 2
+
+    def run(factor):
+        net = Scalar()
+        return train_epochs(net, lambda: iter(one), epochs=1, trainable=["w"],
+                            learning_rate=3.0, loss_fn=half_squared, divergence_factor=factor)
+
+    with pytest.raises(DivergenceError, match=r"loss 128 at step 5, over 100 times .* 0\.5"):
+        run(100.0)
+    with pytest.raises(DivergenceError, match="at step 4"):
+        run(16.0)  # 32 > 16
+    result = run(0.0)  # the finiteness check only: all six steps, 0.5 * 4^k
+    assert result.steps == 6 and result.loss_sum == sum(0.5 * 4.0**k for k in range(6))

@@ -27,9 +27,9 @@ from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.files import atomic_open, atomic_write
 from fedspc_app.core.pause import RunPaused, clear_pause, pause_requested
 from fedspc_app.core.records import ArrayDict, from_record
-from fedspc_app.core.results import CHECKPOINT_SECONDS, RunRecorder, read_summary
+from fedspc_app.core.results import CHECKPOINT_SECONDS, RunRecorder
+from fedspc_app.core.runfolder import CHECKPOINT_JSON
 
-CHECKPOINT_JSON = "checkpoint.json"
 FORMAT_VERSION = 1
 TRAINED, COMPLETE = "trained", "complete"
 SHARED, REFERENCE = "shared/", "reference/"
@@ -39,7 +39,7 @@ SHARED, REFERENCE = "shared/", "reference/"
 MAY_CHANGE = frozenset({
     "num-rounds", "resume", "checkpoint", "output-dir", "data-dir", "download", "device",
     "round-timeout", "min-train-replies", "max-failed-rounds", "keep-client-state",
-    "client-state-dir", "overwrite", "tensorboard", "evaluate-server",
+    "client-state-dir", "overwrite", "tensorboard", "evaluate-server", "divergence-factor",
 })
 
 
@@ -221,17 +221,13 @@ class RoundRecords:
 def resume_point(config: RunConfig, identity: dict) -> Checkpoint | None:
     """The checkpoint to continue from, or ``None`` to start at round 1.
 
-    A run that does not resume replaces a finished run of the same name, but never
-    an unfinished one: its checkpoint may hold days of training.
+    A run that does not resume starts in a folder that holds no run, or replaces one
+    on ``overwrite = true``: :func:`fedspc_app.core.runfolder.claim_run_folder` has
+    settled which before anything is written.
     """
     if not config.resume:
-        checkpoint = config.run_dir / CHECKPOINT_JSON
-        summary = read_summary(config.run_dir)
-        if checkpoint.is_file() and not (summary or {}).get("complete"):
-            raise ConfigError(
-                f"{config.run_dir} holds the checkpoint of an unfinished run: continue it "
-                "with resume = true (python -m fedspc_app.simulate ... --resume), or move "
-                "the folder away (or pick another run-name) to start again")
+        if not config.overwrite and (config.run_dir / CHECKPOINT_JSON).is_file():
+            raise ConfigError(f"{config.run_dir} holds the checkpoint of another run")
         remove_checkpoint(config.run_dir)
         return None
     resumed = read_checkpoint(config.run_dir, identity)

@@ -124,6 +124,7 @@ class RunConfig:
     client_state_dir: str = ""
     min_train_replies: float = 0.5
     max_failed_rounds: int = 3
+    divergence_factor: float = 100.0
     round_timeout: float = 3600.0
     node_wait: float = 120.0
 
@@ -166,10 +167,12 @@ class RunConfig:
 
     @property
     def step_options(self) -> dict[str, Any]:
-        """The optimizer's settings and :attr:`compute_options`: keyword arguments of
-        ``train_epochs`` (the learning rate is the run's; a schedule overrides it)."""
+        """The optimizer's settings, the divergence rule and :attr:`compute_options`:
+        keyword arguments of ``train_epochs`` (the learning rate is the run's; a
+        schedule overrides it)."""
         return {"learning_rate": self.learning_rate, "momentum": self.momentum,
-                "weight_decay": self.weight_decay, **self.compute_options}
+                "weight_decay": self.weight_decay,
+                "divergence_factor": self.divergence_factor, **self.compute_options}
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as kebab-case keys (for results and logs)."""
@@ -269,6 +272,7 @@ def validate(config: RunConfig) -> RunConfig:
     _at_least("vit-embed-dim", config.vit_embed_dim, 12)
     _check_width(config.model, config.model_width)
     _at_least("max-failed-rounds", config.max_failed_rounds, 1)
+    _at_least("divergence-factor", config.divergence_factor, 0.0)
     _at_least("round-timeout", config.round_timeout, 0.0, strict=True)
     _at_least("node-wait", config.node_wait, 0.0)
     if not 0.0 < config.min_train_replies <= 1.0:
@@ -293,6 +297,11 @@ def validate(config: RunConfig) -> RunConfig:
             f"run-config 'vit-embed-dim' must be divisible by the 12 heads, "
             f"got {config.vit_embed_dim}"
         )
+    if METHODS[config.method].shared == "none" and (
+            config.fedspc or config.shared_keys.strip() or config.personal_keys.strip()):
+        raise ConfigError(
+            f"method '{config.method}' shares nothing with the server: fedspc, "
+            "shared-keys and personal-keys do not apply to it")
     if METHODS[config.method].control_variates and config.fedspc:
         raise ConfigError(
             f"method '{config.method}' already corrects every shared parameter; "

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Block = Literal["all", "body", "head"]
+SharedBlock = Literal["all", "body", "head", "none"]
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,9 @@ class Method:
     ----------
     name : str
         Run-config value of ``method``.
-    shared : {"all", "body", "head"}
-        The block the server aggregates; every other state-dict key is personal.
+    shared : {"all", "body", "head", "none"}
+        The block the server aggregates; every other state-dict key is personal
+        (``"none"``: nothing is shared, every client trains alone).
     phases : tuple[Phase, ...]
         Local training, in order.
     personal_model : bool
@@ -76,7 +78,7 @@ class Method:
     """
 
     name: str
-    shared: Block
+    shared: SharedBlock
     phases: tuple[Phase, ...]
     personal_model: bool = False
     finetune_before_eval: bool = False
@@ -129,6 +131,9 @@ register(Method("fedbabu", "body", (Phase("body", "local_epochs"),),
                         "fine-tuned before evaluation"))
 register(Method("lgfedavg", "head", (_LOCAL,),
                 summary="LG-FedAvg: shared head, personal body"))
+register(Method("local", "none", (_LOCAL,),
+                summary="Local: every client trains its own model alone; nothing is "
+                        "aggregated (the reference row of the tables)"))
 register(Method("ditto", "all",
                 (_LOCAL, Phase("all", "ditto_personal_epochs", model="personal",
                                proximal="ditto_lambda")),

@@ -228,13 +228,9 @@ class Partition:
             :func:`partition_summary` of this partition.
         """
         return partition_summary(
-            self.scheme,
-            alpha=self.alpha,
-            classes_per_client=self.classes_per_client,
-            seed=self.seed,
-            tries=self.tries,
-            train_counts=self.train_counts(),
-            test_counts=self.test_counts(),
+            self.scheme, alpha=self.alpha, classes_per_client=self.classes_per_client,
+            seed=self.seed, tries=self.tries,
+            train_counts=self.train_counts(), test_counts=self.test_counts(),
         )
 
 

@@ -11,6 +11,7 @@ native and fp32 everywhere else.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -63,3 +64,28 @@ def emulation_warning(precision: str, device: torch.device | str) -> str | None:
             "bfloat16 (no AMX or AVX-512 bf16 on a CPU, or a GPU without bf16): autocast "
             "is emulated there and slower than fp32; 'auto' would pick fp32. Going on "
             "in bf16 as asked")
+
+
+# cuBLAS needs a fixed workspace for deterministic results (CUDA >= 10.2).
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def apply_determinism(deterministic: bool) -> dict[str, object]:
+    """``deterministic = true``: PyTorch's deterministic algorithms, cuDNN's
+    deterministic (non-benchmarking) mode and a fixed cuBLAS workspace, for this
+    process; what it set, as config.json records it.
+
+    An operation without a deterministic implementation warns (PyTorch's
+    ``warn_only``) instead of stopping a run in the middle. On CPUs the project's
+    runs already repeat bit for bit and nothing changes; on GPUs it costs speed
+    (cuDNN stops picking the fastest kernels, some operations take slower paths).
+    """
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    return {"setting": deterministic,
+            "algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cudnn-deterministic": bool(torch.backends.cudnn.deterministic),
+            "cudnn-benchmark": bool(torch.backends.cudnn.benchmark)}

@@ -25,6 +25,9 @@ REFERENCE_UPLOAD = "reference-upload"  # FedSPC: "explicit" asks for REFERENCE_C
 ACCEPTED_ROUNDS = "accepted-rounds"
 DURABLE_THROUGH = "durable-through"
 RUN_TOKEN = "run-token"  # tells a resumed run's clients from another run's leftovers
+# The run name the server settled on (a new run may get a versioned one, <name>-2):
+# the clients keep their state under that run's folder or name.
+RUN_NAME = "run-name"
 
 # Query messages (``MessageType.QUERY``), by their ``config["query"]``.
 PARTITION_QUERY = "partition"  # load this node's partition; report its class counts

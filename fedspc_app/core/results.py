@@ -51,6 +51,8 @@ DRIFT_COLUMNS = ("update-norm", "client-update-norm", "drift-dispersion", "updat
 DRIFT_PER_CLIENT = ("client-update-norms", "client-update-cosines")
 # Seconds the server took to write a round's checkpoint after its aggregation.
 CHECKPOINT_SECONDS = "checkpoint-seconds"
+# evaluate-server: the server's model on the whole test set (fedspc_app/server_eval.py).
+SERVER_COLUMNS = ("server-accuracy", "server-loss", "server-evaluate-seconds")
 CONFIG_JSON, METRICS_JSON, METRICS_CSV, SUMMARY_JSON = (
     "config.json", "metrics.json", "metrics.csv", "summary.json")
 SCALAR_COLUMNS = (
@@ -58,7 +60,7 @@ SCALAR_COLUMNS = (
     "train-clients", "bytes-sent", "bytes-received", "train-images", "images-per-second",
     "round-seconds", "elapsed-seconds", "failed", "train-dropped", "evaluate-dropped",
     *DRIFT_COLUMNS, "global-reference-norm", "accuracy-before-aggregation", "global-accuracy",
-    *TIMING_COLUMNS,
+    *SERVER_COLUMNS, *TIMING_COLUMNS,
     CHECKPOINT_SECONDS,
 )
 
@@ -318,6 +320,9 @@ class RunRecorder:
             for key in ("accuracy", "weighted-accuracy", "loss"):
                 row[key] = _clean(float(evaluate[key]))
             row["clients"] = int(evaluate["clients"])
+            for key in SERVER_COLUMNS:
+                if key in evaluate:
+                    row[key] = _clean(float(evaluate[key]))
             row.update(_timings("evaluate", evaluate))
             row["client-accuracy"] = {
                 str(pid): acc for pid, acc in zip(evaluate["client-ids"],
@@ -375,6 +380,8 @@ class RunRecorder:
                 "final-accuracy": final["accuracy"],
                 "final-weighted-accuracy": final["weighted-accuracy"],
                 "final-loss": final["loss"],
+                **({"final-server-accuracy": final["server-accuracy"]}
+                   if "server-accuracy" in final else {}),
                 "best-round": best["round"],
                 "best-accuracy": best["accuracy"],
                 "bytes-sent": sum(r["bytes-sent"] for r in self.rounds),

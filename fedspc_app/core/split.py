@@ -122,7 +122,8 @@ def parameter_split(model: nn.Module, method: Method, *, shared_keys: str = "",
         return ParameterSplit(body, head, shared, personal, parameters)
     body, head = split_body_head(model)
     everything = body + head
-    shared_set = set({"all": everything, "body": body, "head": head}[method.shared])
+    shared_set = set({"all": everything, "body": body, "head": head,
+                      "none": ()}[method.shared])
     personal = tuple(key for key in keys if key not in shared_set)
     shared = tuple(key for key in keys if key in shared_set)
     return ParameterSplit(body, head, shared, personal, parameters)

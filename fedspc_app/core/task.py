@@ -139,17 +139,10 @@ def _partition(config_key: tuple, num_clients: int, dataset_name: str,
     scheme, alpha, classes_per_client, seed, min_samples, max_tries = config_key
     dataset = load_dataset(dataset_name, data_dir, download=download)
     return make_partition(
-        scheme,
-        dataset.train_labels.numpy(),
-        dataset.test_labels.numpy(),
-        num_clients=num_clients,
-        alpha=alpha,
-        classes_per_client=classes_per_client,
-        seed=seed,
-        min_samples=min_samples,
-        max_tries=max_tries,
-        num_classes=dataset.num_classes,
-    )
+        scheme, dataset.train_labels.numpy(), dataset.test_labels.numpy(),
+        num_clients=num_clients, alpha=alpha, classes_per_client=classes_per_client,
+        seed=seed, min_samples=min_samples, max_tries=max_tries,
+        num_classes=dataset.num_classes)
 
 
 def load_partition(config: RunConfig, num_clients: int) -> Partition:

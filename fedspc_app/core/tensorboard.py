@@ -45,8 +45,8 @@ INSTALL_HINT = ('pip install -e ".[tensorboard]" in the project\'s folder, where
                 'ServerApp runs (or pip install "tensorboard>=2.16")')
 GROUPS = {
     "accuracy": ("accuracy", "weighted-accuracy", "global-accuracy",
-                 "accuracy-before-aggregation"),
-    "loss": ("loss", "train-loss"),
+                 "accuracy-before-aggregation", "server-accuracy"),
+    "loss": ("loss", "train-loss", "server-loss"),
     "drift": ("update-norm", "client-update-norm", "drift-dispersion", "update-cosine",
               "global-reference-norm"),
     "traffic": ("bytes-sent", "bytes-received"),

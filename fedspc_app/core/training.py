@@ -145,6 +145,7 @@ def train_epochs(
     loss_fn: LossFn = F.cross_entropy,
     precision: str = "fp32",
     channels_last: bool = False,
+    divergence_factor: float = 0.0,
 ) -> EpochsResult:
     """Train ``model`` for ``epochs`` passes with SGD on the ``trainable`` parameters.
 
@@ -154,8 +155,10 @@ def train_epochs(
 
     Returns the number of optimizer steps taken, the examples seen and the summed
     (data) loss. ``loss_fn`` must return the mean loss of a batch. A non-finite loss
-    or trainable parameter raises :class:`DivergenceError` naming the first bad step;
-    both are checked after every epoch, so that the device is not waited on at every
+    or trainable parameter raises :class:`DivergenceError` naming the first bad step,
+    and so does, with ``divergence_factor`` > 0, a loss over that many times the
+    larger of 1 and the first step's loss (a blow-up that is still finite);
+    they are checked after every epoch, so that the device is not waited on at every
     step; a non-finite gradient shows up as one of the two. ``precision`` ``bf16``
     runs the forward pass and the loss under bfloat16 autocast (the parameters, their
     gradients and the optimizer stay float32), ``auto`` does so where the device
@@ -172,6 +175,7 @@ def train_epochs(
         parameter.requires_grad_(name in trainable)
     hooks = tuple(hooks)
     steps, examples, loss_sum = 0, 0, 0.0
+    first_loss: float | None = None
     try:
         if not trainable or epochs <= 0:
             return EpochsResult(0, 0, 0.0)
@@ -203,6 +207,12 @@ def train_epochs(
                 steps += 1
                 if not math.isfinite(value):
                     raise DivergenceError(f"loss {value} at step {steps}")
+                if first_loss is None:
+                    first_loss = value
+                elif divergence_factor and value > divergence_factor * max(first_loss, 1.0):
+                    raise DivergenceError(
+                        f"loss {value:.4g} at step {steps}, over {divergence_factor:g} times "
+                        f"the larger of 1 and the first step's {first_loss:.4g}")
                 examples += size
                 loss_sum += value * size
             _check_finite(named, trainable, f"after epoch {epoch + 1} (step {steps})")

@@ -22,7 +22,9 @@ import numpy as np
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError, FedSPCError
 from fedspc_app.core.files import folder_lock
+from fedspc_app.core.precision import apply_determinism
 from fedspc_app.core.results import format_duration, start_results, write_metrics, write_summary
+from fedspc_app.core.runfolder import claim_run_folder
 from fedspc_app.launch.runconfig import app_defaults
 
 CSV_COLUMNS = ("epoch", "accuracy", "loss", "train-loss", "learning-rate", "train-images",
@@ -44,16 +46,20 @@ def default_run_name(config: RunConfig) -> str:
 
 
 def build_config(run_config: Mapping[str, Any], *, run_name: str | None = None,
-                 output_dir: str | None = None) -> RunConfig:
-    """The app defaults, then ``run_config``, validated; default run-name filled in."""
+                 output_dir: str | None = None,
+                 echo: Callable[[str], None] = print) -> RunConfig:
+    """The app defaults, then ``run_config``, validated; the run-name filled in
+    (:func:`~fedspc_app.core.runfolder.claim_run_folder`: a new run never replaces an
+    earlier one)."""
     merged = {**app_defaults(), **run_config}
     if output_dir:
         merged["output-dir"] = output_dir
     if run_name:
         merged["run-name"] = run_name
     config = parse_run_config(merged)
-    if not config.run_name:
-        config = config.replace(run_name=default_run_name(config))
+    config, note = claim_run_folder(config, default_run_name(config))
+    if note:
+        echo(note)
     return config
 
 
@@ -89,6 +95,7 @@ def train_centralized(config: RunConfig, *, epochs: int = 200, learning_rate: fl
     config = config.replace(learning_rate=learning_rate)
     dataset = load_run_dataset(config)
     device = resolve_device(config)
+    determinism = apply_determinism(config.deterministic)
     model = make_model(config, dataset).to(device)
     augment = use_augmentation(config, dataset)
     train_indices = np.arange(dataset.num_train)
@@ -111,6 +118,7 @@ def train_centralized(config: RunConfig, *, epochs: int = 200, learning_rate: fl
             "dataset": {"name": dataset.name, "train": dataset.num_train,
                         "test": dataset.num_test, "classes": dataset.num_classes},
             "device": str(device),
+            "deterministic": determinism,
         })
         echo(f"[centralized] {config.model} on {dataset.name}: {dataset.num_train} training "
              f"images, {epochs} epochs, lr {learning_rate:g} ({lr_schedule}), "

@@ -159,6 +159,13 @@ def train_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def split_label(partition: dict) -> str:
+    """``alpha = 0.1`` (Dirichlet) or ``2 classes per client`` (class-count)."""
+    if partition.get("classes_per_client") is not None and "alpha" not in partition:
+        return f"{partition['classes_per_client']} classes per client"
+    return f"alpha = {partition['alpha']:g}"
+
+
 def draw_partitions(args: argparse.Namespace) -> int:
     """One run folder gives one heatmap; several give panels titled by their α."""
     loaded = [load_partition_counts(path) for path in args.runs]
@@ -168,10 +175,9 @@ def draw_partitions(args: argparse.Namespace) -> int:
     if len(loaded) == 1:
         data = loaded[0]
         plot_partition(data["train_counts"], output,
-                       title=f"alpha = {data['alpha']:g}, {data['num_clients']} clients")
+                       title=f"{split_label(data)}, {data['num_clients']} clients")
     else:
-        plot_partitions([(f"alpha = {d['alpha']:g}", d["train_counts"]) for d in loaded],
-                        output)
+        plot_partitions([(split_label(d), d["train_counts"]) for d in loaded], output)
     print(output)
     return 0
 

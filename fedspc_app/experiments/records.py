@@ -28,13 +28,14 @@ GLOBAL_ACCURACY = "global-accuracy"  # a personal-model method's global model (e
 SERIES = (*DRIFT_COLUMNS, "global-reference-norm", "train-loss", BEFORE_AGGREGATION,
           GLOBAL_ACCURACY)
 METHOD_NAMES = {
-    "fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD", "ditto": "Ditto",
+    "local": "Local", "fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD", "ditto": "Ditto",
     "fedbabu": "FedBABU", "fedrep": "FedRep", "lgfedavg": "LG-FedAvg", "fedper": "FedPer",
 }
-"""Display names, in the paper's row order (Table 1)."""
+"""Display names, in the paper's row order (Table 1), after the local-only reference."""
 
 FEDERATED = "federated"
 CENTRALIZED = "centralized"
+LOCAL = "local"  # the method whose clients train alone: a reference row
 
 
 # ------------------------------------------------------------------------ records
@@ -103,6 +104,8 @@ def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
         rc = dict(config.get("run-config", {}))
         kind = CENTRALIZED if config.get("mode") == CENTRALIZED else FEDERATED
         setting = f"{rc.get('dataset')}-{rc.get('model')}"
+    if rc.get("partition") == "classes":  # another split: a setting of its own
+        setting = f"{setting} {rc.get('classes-per-client')} classes/client"
     summary = read_json(run_dir / "summary.json")
     summary = summary if isinstance(summary, dict) else {}
     metrics = read_json(run_dir / "metrics.json")

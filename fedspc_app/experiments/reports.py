@@ -37,6 +37,7 @@ from fedspc_app.experiments.records import (
     BEFORE_AGGREGATION,
     CENTRALIZED,
     FEDERATED,
+    LOCAL,
     MISSING,
     ResultRecord,
     alpha_text,
@@ -137,6 +138,7 @@ def table3(records: Sequence[ResultRecord], *, metric: str = "final") -> Table:
                               "fedspc", "fedspc_std", "fedspc_n", "delta"],
                  csv_rows=csv_rows, notes=tuple(
                      ([UNEVEN_NOTE + "; ".join(uneven) + "."] if uneven else [])
+                     + local_lines(federated, metric=metric)
                      + centralized_lines(records, metric=metric)))
 
 
@@ -415,6 +417,20 @@ def drift_table(records: Sequence[ResultRecord]) -> Table:
                      AVERAGING_GAP.replace("-", "_"), "n"],
         csv_rows=csv_rows,
         notes=(DRIFT_NOTE,))
+
+
+def local_lines(federated: Sequence[ResultRecord], *, metric: str = "final") -> list[str]:
+    """``Local, each client alone (α 0.1, C-R34): 41.20%``: the reference of method
+    ``local`` under Table 3 (Table 1 has it as a row)."""
+    lines = []
+    for alpha in alphas_of(r for r in federated if r.method == LOCAL):
+        for setting in settings_of(federated):
+            stat = cell_stat(federated, method=LOCAL, fedspc=False, alpha=alpha,
+                             setting=setting, metric=metric)
+            if stat.n:
+                lines.append(f"Local, each client alone (α {alpha_text(alpha)}, {setting}): "
+                             f"{stat.text()}%")
+    return lines
 
 
 def centralized_lines(records: Sequence[ResultRecord], *, metric: str = "final") -> list[str]:

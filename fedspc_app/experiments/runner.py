@@ -127,7 +127,9 @@ def describe(cell: Cell) -> str:
         return (f"{what} centralized, {opts['epochs']} epochs, lr {opts['learning-rate']:g}"
                 f" ({opts['lr-schedule']}), batch {rc['batch-size']}, seed {rc['seed']}")
     label = rc["method"] + ("+fedspc" if rc["fedspc"] else "")
-    return (f"{what} {label} alpha={float(rc['alpha'])!r} seed={rc['seed']} | "
+    split = (f"classes-per-client={rc['classes-per-client']}"
+             if rc.get("partition") == "classes" else f"alpha={float(rc['alpha'])!r}")
+    return (f"{what} {label} {split} seed={rc['seed']} | "
             f"{rc['num-rounds']} rounds, E={rc['local-epochs']}, "
             f"lr {rc['learning-rate']:g}, batch {rc['batch-size']}")
 
@@ -180,6 +182,8 @@ def run_federated_cell(cell: Cell, log_file: Path, *, link: SharedSuperLink,
     run_config = cell.run_config
     if (cell.run_dir / CHECKPOINT_JSON).is_file():  # interrupted: continue, not restart
         run_config = {**run_config, "resume": True}
+    else:  # a pending cell's folder holds at most a failed try: the grid replaces it
+        run_config = {**run_config, "overwrite": True}
     try:
         return run_simulation(run_config, superlink=link.get(),
                               clients=simulation.clients, client_cpus=simulation.client_cpus,
@@ -205,7 +209,8 @@ def run_centralized_cell(cell: Cell, log_file: Path, *, timeout: float | None = 
     """Train one centralized reference in a child process (output to ``log_file``,
     killed after ``timeout`` seconds); return its summary."""
     started = time.time()
-    with run_config_file(cell.run_config) as config_path:
+    # A pending cell's folder holds at most a failed try: the grid replaces it.
+    with run_config_file({**cell.run_config, "overwrite": True}) as config_path:
         code = run_logged(centralized_command(cell, config_path),
                           env={**os.environ, "PYTHONUNBUFFERED": "1"}, log_file=log_file,
                           timeout=timeout, echo=echo, what=f"centralized run {cell.name!r}")

@@ -62,8 +62,10 @@ def simulate_once(run_config: dict[str, Any], args: argparse.Namespace, *,
                            client_cpus=args.client_cpus, client_gpus=args.client_gpus,
                            log_file=log_file, echo=echo)
     except RunPaused as paused:
-        print(f"fedspc: {paused}; the same command with --resume continues it",
-              file=sys.stderr)
+        again = "the same command with --resume"
+        if paused.run_name != resolve_run_config(run_config)[1].resolved_run_name:
+            again += f" and run-name='{paused.run_name}' (the folder it went to)"
+        print(f"fedspc: {paused}; {again} continues it", file=sys.stderr)
         return PAUSED
     except RUN_ERRORS as error:
         return fail(error, FAILED)

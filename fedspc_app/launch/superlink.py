@@ -13,6 +13,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -23,6 +24,7 @@ from typing import Any
 import tomli_w
 
 from fedspc_app.core.pause import RunPaused
+from fedspc_app.core.runfolder import claim_run_folder
 from fedspc_app.launch.processes import (
     OwnedProcess,
     child_env,
@@ -172,6 +174,10 @@ def submit_and_check(run_config: Mapping[str, Any], submit: Callable[[dict], int
     :class:`RunPaused`.
     """
     merged, config = resolve_run_config(run_config, app_dir)
+    config, note = claim_run_folder(config)  # the folder the ServerApp will write
+    if note:
+        merged["run-name"] = config.run_name
+        print(f"fedspc: {note}", file=sys.stderr, flush=True)
     summary_path = config.run_dir / "summary.json"
     offset = log_file.stat().st_size if log_file is not None and log_file.exists() else 0
     started = time.time()
