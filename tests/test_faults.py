@@ -259,9 +259,11 @@ def losses(rounds: list[dict]) -> list[float]:
 
 # 6 messages a round (3 train, 3 evaluate): the crash comes in the middle of round 2's
 # training (before its checkpoint) or of its evaluation (after the aggregation's).
-@pytest.mark.parametrize("crash_at", [8, 10])
-def test_a_crashed_run_resumes_to_the_same_metrics(tmp, crash_at):
-    overrides = {"checkpoint": True}
+@pytest.mark.parametrize(("crash_at", "method"), [(8, "fedrep"), (10, "fedrep"),
+                                                  (8, "local")])
+def test_a_crashed_run_resumes_to_the_same_metrics(tmp, crash_at, method):
+    # method local: nothing shared, every parameter in the client state on disk.
+    overrides = {"checkpoint": True, "method": method, "fedspc": method != "local"}
     _, expected, _ = run(tmp / "a", **overrides)
 
     def crashing(*args):

@@ -142,3 +142,25 @@ def test_a_second_flwr_run_goes_beside_the_first_and_leaves_it_whole(tmp_path):
     assert sorted(p.name for p in (second / "client-state").iterdir()) == [
         "partition-0.npz", "partition-1.npz"]
     assert {m.content.config_records["config"]["run-name"] for m in grid.sent} == {second.name}
+
+
+def test_the_launchers_submit_the_versioned_name_and_read_that_folder(tmp_path, capsys):
+    """python -m fedspc_app.simulate and the grid runner: the run-config they hand to
+    ``flwr run`` names the free folder, and the summary is read from it."""
+    from fedspc_app.launch.superlink import submit_and_check
+
+    run_config = {"output-dir": str(tmp_path), "num-rounds": 1}
+    first = parse_run_config(run_config).run_dir
+    finished(first)
+    submitted = {}
+
+    def submit(merged):
+        submitted.update(merged)
+        folder = tmp_path / merged["run-name"]
+        finished(folder, rounds=1)
+        return 0
+
+    summary = submit_and_check(run_config, submit)
+    assert submitted["run-name"] == first.name + "-2" and summary["rounds"] == 1
+    assert json.loads((first / "summary.json").read_text())["rounds"] == 3  # untouched
+    assert f"this run writes {first.parent / (first.name + '-2')}" in capsys.readouterr().err
