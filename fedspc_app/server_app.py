@@ -31,7 +31,7 @@ from fedspc_app.core.datasets import ImageDataset
 from fedspc_app.core.errors import ConfigError, FedSPCError
 from fedspc_app.core.files import folder_lock
 from fedspc_app.core.methods import Method, get_method
-from fedspc_app.core.partition import save_partition
+from fedspc_app.core.partition_files import save_partition
 from fedspc_app.core.pause import RunPaused, clear_pause
 from fedspc_app.core.precision import apply_determinism, emulation_warning, precision_report
 from fedspc_app.core.protocol import ACCEPTED_ROUNDS, DEPLOYMENT, NUM_CLIENTS, RUN_NAME

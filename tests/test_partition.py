@@ -23,11 +23,10 @@ from fedspc_app.core.partition import (
     Partition,
     class_partition,
     dirichlet_partition,
-    load_partition_counts,
     make_partition,
     partition_summary,
-    save_partition,
 )
+from fedspc_app.core.partition_files import load_partition_counts, save_partition
 from fedspc_app.core.task import load_partition
 from fedspc_app.experiments import cli
 from fedspc_app.experiments.grid import expand_grid

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from fedspc_app.core.errors import ConfigError
-from fedspc_app.core.partition import dirichlet_partition, save_partition
+from fedspc_app.core.partition import dirichlet_partition
+from fedspc_app.core.partition_files import save_partition
 from fedspc_app.experiments import cli, layout, plots, reports
 from fedspc_app.experiments.records import (
     delta_text,

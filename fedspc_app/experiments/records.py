@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fedspc_app.core.errors import DataError
-from fedspc_app.core.partition import load_partition_counts
+from fedspc_app.core.partition_files import load_partition_counts
 from fedspc_app.core.results import DRIFT_COLUMNS
 from fedspc_app.experiments.layout import GRID_JSON, read_failures, read_json
 
