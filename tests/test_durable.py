@@ -24,7 +24,12 @@ from flwr.app import (
 )
 from inprocess import InProcessGrid, run_server
 
-from clients.durable import DurableState, DurableStateError
+from clients.durable import (
+    DurableState,
+    DurableStateError,
+    simulation_folder,
+    write_view_marker,
+)
 from clients.state import (
     COMMITTED,
     PENDING,
@@ -295,10 +300,14 @@ def test_restarted_client_without_state_dir_starts_over_and_warns(tmp_path, flwr
 
 
 def test_no_memory_only_warning_in_simulation(tmp_path, flwr_log):
-    grid = InProcessGrid(client_app.app, 2, RUN_CONFIG)
+    run_config = {**RUN_CONFIG, "output-dir": str(tmp_path)}
+    grid = InProcessGrid(client_app.app, 2, run_config)
     shared, u_bar, _ = round_inputs()
     message = train_message(1, shared, u_bar, node_id=1)
     message.content.config_records["config"]["deployment"] = False
+    config = parse_run_config(run_config)  # the server's mark, as a simulation writes it
+    write_view_marker(simulation_folder(config.run_dir, config.resolved_run_name),
+                      config.resolved_run_name, "t")
     assert not grid.deliver(message).has_error()
     assert not [r for r in flwr_log if r.levelno >= logging.WARNING]
 
