@@ -40,7 +40,7 @@ def earlier_run(run_dir: Path) -> str | None:
     summary = _json(run_dir / SUMMARY_JSON)
     rounds = summary.get("rounds")
     if summary.get("complete"):
-        return f"a finished run of {rounds} rounds"
+        return f"a finished run of {rounds} round{'' if rounds == 1 else 's'}"
     checkpoint = _json(run_dir / CHECKPOINT_JSON)
     if isinstance(checkpoint.get("round"), int):
         return f"an unfinished run (checkpoint after round {checkpoint['round']})"
