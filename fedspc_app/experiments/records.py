@@ -104,7 +104,8 @@ def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
         rc = dict(config.get("run-config", {}))
         kind = CENTRALIZED if config.get("mode") == CENTRALIZED else FEDERATED
         setting = f"{rc.get('dataset')}-{rc.get('model')}"
-    if rc.get("partition") == "classes":  # another split: a setting of its own
+    if rc.get("partition") == "classes" and setting == f"{rc.get('dataset')}-{rc.get('model')}":
+        # another split: a setting of its own (a grid's own label already says which)
         setting = f"{setting} {rc.get('classes-per-client')} classes/client"
     summary = read_json(run_dir / "summary.json")
     summary = summary if isinstance(summary, dict) else {}
