@@ -26,3 +26,16 @@ def test_a_script_starts_and_prints_its_usage(script):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage" in done.stdout.lower()
+
+
+def test_the_regime_studys_recomputation_runs_on_the_committed_metrics():
+    # The study quotes only numbers this script recomputes; it must keep running as
+    # runs are added, and score every prediction of PREDICTIONS.md.
+    script = ROOT / "docs/results/regime-study/recompute.py"
+    done = subprocess.run([sys.executable, str(script)], check=False, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    scored = done.stdout.split("== Predictions")[1]
+    for pid in ("P1", "P2", "P3", "P4", "P5", "P6", "P7"):
+        assert f"\n{pid}:" in scored
+    assert "HIT" in scored or "MISS" in scored

@@ -19,7 +19,9 @@ by the claim it supports, so the text can be held against it:
 * drift window means (dispersion, cosine, ‖ū‖, ‖mean Δ‖, train loss) and, where
   recorded, the accuracy before aggregation (the local fit) and the averaging gain;
 * the 50-round and Ditto-global details, SCAFFOLD against FedAvg, and how well a
-  run repeats under the same seed.
+  run repeats under the same seed;
+* the predictions of PREDICTIONS.md (P1-P7), each scored hit / miss by the rule
+  written there, from the runs committed so far (a cell not yet run says so).
 
 A pair is a Base run folder and its +FedSPC twin: ``fedrep`` / ``fedrep+fedspc``,
 ``lgfedavg-s1`` / ``lgfedavg+fedspc-s1``, ``ditto-a0.1`` / ``ditto+fedspc-a0.1``.
@@ -323,6 +325,96 @@ def main():
                     (("cpu-cifar100-cnn-long", "ditto+fedspc"), ("cpu-cifar100-cnn-ditto-global", "ditto+fedspc"), 15)]:
         x, y = load(*a)["acc"], load(*b)["acc"]
         print(f"{a[0]}/{a[1]} vs {b[0]}/{b[1]}, rounds 1-{n}: {max(abs(x[r] - y[r]) for r in range(1, n + 1)):.4f}")
+
+    predictions()
+
+
+# The cells of PREDICTIONS.md: (id, grid, Base, +FedSPC, grid of the +FedSPC run).
+DEPTH = "cpu-cifar100-resnet34-depth"
+CELLS = {
+    "P1": [("cpu-cifar100-cnn-e5-seeds", "lgfedavg-s2", None, None)],
+    "P2": [("cpu-cifar100-cnn-e5-fedrep-base", "fedrep", "fedrep+fedspc", "cpu-cifar100-cnn-e5")],
+    "P3": [(DEPTH, f"fedrep-s{s}", None, None) for s in (0, 1, 2)],
+    "P4": [(DEPTH, f"lgfedavg-s{s}", None, None) for s in (0, 1, 2)],
+    "P5": [("cpu-cifar100-resnet34-long", "fedrep-s0", None, None)],
+    "P6": [("cpu-cifar100-resnet34-e5", "fedrep-s0", None, None)],
+}
+
+
+def cell_pairs(specs):
+    """The pairs of one prediction whose two runs are complete; the names of the missing."""
+    done, missing = [], []
+    for grid, base, spc, spc_grid in specs:
+        spc = spc or twin(base)
+        paths = [RESULTS / grid / base, RESULTS / (spc_grid or grid) / spc]
+        if all(_complete(path) for path in paths):
+            pair = Pair("cell", int(base.rpartition("-s")[2]) if "-s" in base else 0, grid, base)
+            if spc_grid:  # the +FedSPC run lives in another grid
+                pair.spc = load(spc_grid, spc)
+                pair.rounds = sorted(set(pair.base["acc"]) & set(pair.spc["acc"]))
+                pair.last = pair.rounds[-1]
+            done.append(pair)
+        else:
+            missing.append(f"{grid}/{base} ± FedSPC")
+    return done, missing
+
+
+def _complete(path: Path) -> bool:
+    summary = path / "summary.json"
+    return summary.is_file() and json.loads(summary.read_text()).get("complete") is True
+
+
+def _verdict(ok: bool) -> str:
+    return "HIT" if ok else "MISS"
+
+
+def predictions():
+    """Score each prediction by the rule PREDICTIONS.md states, on the runs there are."""
+    header("Predictions (PREDICTIONS.md), scored on the committed runs")
+    # Each rule: (the prediction's words, {verdict name: test of the per-seed Δ list}).
+    rules = {
+        "P1": ("positive, +0.5 to +3", {"sign": lambda ds: all(d > 0 for d in ds),
+                                        "size": lambda ds: all(0.5 <= d <= 3 for d in ds)}),
+        "P2": ("negative, -2 to -4", {"sign": lambda ds: all(d < 0 for d in ds),
+                                      "size": lambda ds: all(-4 <= d <= -2 for d in ds)}),
+        "P3": ("negative at every seed, -0.5 to -3",
+               {"sign": lambda ds: all(d < 0 for d in ds),
+                "size": lambda ds: all(-3 <= d <= -0.5 for d in ds)}),
+        "P4": ("no detectable effect: mean within ±1, signs mixed across seeds",
+               {"effect": lambda ds: abs(np.mean(ds)) <= 1
+                and (len(ds) < 3 or min(ds) < 0 < max(ds))}),
+        "P5": ("negative at round 50", {"sign": lambda ds: all(d < 0 for d in ds)}),
+        "P6": ("negative, not smaller in size than at E = 1 (same seed)", {}),
+    }
+    for pid, specs in CELLS.items():
+        pairs, missing = cell_pairs(specs)
+        text, tests = rules[pid]
+        if not pairs:
+            print(f"{pid}: predicted {text}; not run yet ({', '.join(missing)})")
+            continue
+        ds = [p.final() for p in pairs]
+        sd = f", SD {np.std(ds, ddof=1):.2f}" if len(ds) > 1 else " (one seed)"
+        measured = ", ".join(f"s{p.seed} {f(p.final())} at round {p.last}"
+                             f" ({'/'.join(map(str, p.ahead_behind()))} rounds ahead/behind)"
+                             for p in pairs)
+        verdicts = {name: test(ds) for name, test in tests.items()}
+        if pid == "P6":
+            e1 = [q for q in cell_pairs(CELLS["P3"])[0] if q.seed == pairs[0].seed]
+            verdicts = {"sign": ds[0] < 0, "size": bool(e1) and ds[0] <= e1[0].final()}
+            measured += f"; E = 1 at the same seed: {f(e1[0].final()) if e1 else 'not run'}"
+        status = "partial (" + ", ".join(missing) + " still to run); " if missing else ""
+        scored = ", ".join(f"{name} {_verdict(ok)}" for name, ok in verdicts.items())
+        print(f"{pid}: predicted {text}. {status}measured {measured}; mean {f(float(np.mean(ds)))}{sd}"
+              f" -> {scored}{' so far' if missing else ''}")
+    print("P7: the correction lowers the shared block's update dispersion in rounds 2-10, and"
+          " +FedSPC's train loss is higher in at least 90 % of the rounds after the first")
+    for pid in ("P3", "P4", "P5", "P6"):
+        for p in cell_pairs(CELLS[pid])[0]:
+            db, ds_ = wmean(p.base["disp"], 2, 10), wmean(p.spc["disp"], 2, 10)
+            h, _, n = p.loss_higher()
+            ok = ds_ < db and h >= 0.9 * n
+            print(f"  {pid} {p.method} s{p.seed}: dispersion rounds 2-10 {db:.2f} -> {ds_:.2f};"
+                  f" train loss higher in {h} of {n} rounds -> {_verdict(ok)}")
 
 
 if __name__ == "__main__":
