@@ -27,15 +27,16 @@ def write_run(grid_dir: Path, name: str, *, setting: str, method: str = "fedrep"
               final: float | None = None, best: float | None = None,
               curve: tuple[float, ...] = (), state: str = "complete",
               kind: str = "federated",
-              series: dict[str, tuple[float | None, ...]] | None = None) -> dict:
+              series: dict[str, tuple[float | None, ...]] | None = None,
+              extra: dict | None = None) -> dict:
     """A results folder as a run leaves it; returns the cell's grid.json entry.
 
     ``state`` is ``complete`` (summary written), ``partial`` (config and metrics
     only) or ``missing`` (no folder). ``series`` adds per-round metrics (None: the
-    round did not record it).
+    round did not record it); ``extra``, run-config keys.
     """
     rc = {"dataset": "cifar100", "model": "cnn", "method": method, "fedspc": fedspc,
-          "alpha": alpha, "seed": seed, "num-rounds": len(curve)}
+          "alpha": alpha, "seed": seed, "num-rounds": len(curve), **(extra or {})}
     cell = {"name": name, "kind": kind, "setting": setting, "run-config": rc}
     if state == "missing":
         return cell
@@ -493,3 +494,35 @@ def test_a_class_count_run_is_a_setting_of_its_own_and_its_partition_plot_says_s
     assert read_record(folder).setting == "cifar100-cnn"
     assert split_label({"alpha": 0.1}) == "alpha = 0.1"
     assert split_label({"classes_per_client": 5}) == "5 classes per client"
+
+
+def test_a_class_count_split_has_rows_of_its_own_not_the_alpha_it_does_not_use(
+        tmp_path, monkeypatch):
+    # Both runs carry alpha = 0.1; only the Dirichlet one is split by it.
+    grid = tmp_path / "grid"
+    grid.mkdir()
+    classes = {"partition": "classes", "classes-per-client": 5}
+    cells = [write_run(grid, "fedrep-a0.1", setting="a0.1", final=0.40, curve=(0.3, 0.4)),
+             write_run(grid, "fedrep-c5", setting="c5", final=0.56, curve=(0.5, 0.56),
+                       extra=classes),
+             write_run(grid, "fedrep+fedspc-c5", setting="c5", fedspc=True, final=0.52,
+                       curve=(0.5, 0.52), extra=classes)]
+    (grid / layout.GRID_JSON).write_text(json.dumps({"name": "grid", "cells": cells}))
+    labels = np.repeat(np.arange(5), 20)
+    for name in ("fedrep-a0.1", "fedrep-c5"):
+        save_partition(dirichlet_partition(labels, labels, num_clients=4, alpha=0.1, seed=0,
+                                           min_samples=1), grid / name)
+    records = load_records(grid)
+    assert reports.to_markdown(reports.table1(records)).splitlines()[2:] == [
+        "| FedRep | 0.1 | 40.00 | — |",
+        "| FedRep | 5 classes/client | — | 56.00 |",
+        "| FedRep+FedSPC | 5 classes/client | — | 52.00 |"]
+    assert reports.to_markdown(reports.table3(records)).splitlines()[2:] == [
+        "| FedRep | 0.1 | 40.00 | — | — | — | — | — |",
+        "| FedRep | 5 classes/client | — | — | — | 56.00 | 52.00 | -4.00 |"]
+    drawn = []
+    monkeypatch.setattr(plots, "plot_partitions",
+                        lambda panels, path, **_: drawn.append([t for t, _ in panels]) or path)
+    written = reports.write_report(records, grid / "report", title="grid")
+    assert drawn == [["α = 0.1", "5 classes/client"]]  # one panel each, not one for α 0.1
+    assert {p.name for p in written} >= {"curves-a0.1-a0.1.png", "curves-c5-c5.png"}

@@ -113,7 +113,8 @@ def _check_pooled(loaded: list) -> None:
                 raise ConfigError(
                     f"--label: {other_title} and {title} share the label {r.setting!r} and "
                     f"both hold {r.label}"
-                    + (f" alpha={r.alpha:g}" if r.alpha is not None else "")
+                    + ("" if r.alpha is None else f" {r.alpha}" if isinstance(r.alpha, str)
+                       else f" alpha={r.alpha:g}")
                     + f" seed={r.seed} ({r.name}); "
                     "grids pooled under one label must hold different seeds")
 

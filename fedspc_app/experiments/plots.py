@@ -22,7 +22,6 @@ from fedspc_app.experiments.records import (
     FEDERATED,
     GLOBAL_ACCURACY,
     ResultRecord,
-    alpha_text,
     alphas_of,
     cell_stat,
     display_method,
@@ -31,6 +30,7 @@ from fedspc_app.experiments.records import (
     paired_delta,
     same_alpha,
     settings_of,
+    split_title,
     unique,
 )
 
@@ -94,7 +94,7 @@ def plot_curves(records: Sequence[ResultRecord], setting: str, alpha: float,
         ax.legend(fontsize=8)
     for ax in axes[len(methods):]:
         ax.set_visible(False)
-    fig.suptitle(f"{setting}, α = {alpha_text(alpha)}")
+    fig.suptitle(f"{setting}, {split_title(alpha)}")
     return save_figure(fig, Path(path))
 
 
@@ -146,7 +146,7 @@ def plot_drift(records: Sequence[ResultRecord], setting: str, alpha: float,
         drawn = [ax for ax in axes[row] if ax.get_visible()]
         if drawn:
             drawn[0].set_ylabel(label, fontsize=8)
-    fig.suptitle(f"Client drift on the shared block: {setting}, α = {alpha_text(alpha)}")
+    fig.suptitle(f"Client drift on the shared block: {setting}, {split_title(alpha)}")
     return save_figure(fig, Path(path))
 
 
@@ -179,7 +179,7 @@ def plot_deltas(records: Sequence[ResultRecord], path: str | Path) -> Path | Non
             if not shown:  # an α without any Δ yet gets no bars and no legend entry
                 continue
             bars = ax.bar([x for x, _ in shown], [h for _, h in shown], width=width,
-                          label=f"α = {alpha_text(alpha)}", color=f"C{i}")
+                          label=split_title(alpha), color=f"C{i}")
             ax.bar_label(bars, fmt="%+.2f", fontsize=7, padding=2)
         ax.margins(y=0.12)  # room for the value labels
         ax.axhline(0.0, color="black", linewidth=0.8)
@@ -199,7 +199,7 @@ def plot_partition_panels(records: Sequence[ResultRecord], out_dir: str | Path) 
     the smallest seed that wrote a ``partition.json`` (the paper's Figures 3-4)."""
     written = []
     for dataset in unique(r.dataset for r in records if r.kind == FEDERATED):
-        chosen: dict[float, ResultRecord] = {}
+        chosen: dict[float | str, ResultRecord] = {}
         for record in sorted((r for r in records if r.kind == FEDERATED
                               and r.dataset == dataset and r.alpha is not None
                               and r.run_dir is not None
@@ -209,10 +209,10 @@ def plot_partition_panels(records: Sequence[ResultRecord], out_dir: str | Path) 
         if not chosen:
             continue
         panels, clients = [], set()
-        for alpha in sorted(chosen):
+        for alpha in alphas_of(chosen.values()):
             data = load_partition_counts(chosen[alpha].run_dir)
             clients.add(int(data["num_clients"]))
-            panels.append((f"α = {alpha_text(alpha)}", data["train_counts"]))
+            panels.append((split_title(alpha), data["train_counts"]))
         title = f"{dataset}: training images per client and class"
         if len(clients) == 1:
             title += f" ({clients.pop()} clients)"

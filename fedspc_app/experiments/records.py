@@ -56,7 +56,7 @@ class ResultRecord:
     kind: str = FEDERATED
     method: str = ""
     fedspc: bool = False
-    alpha: float | None = None
+    alpha: float | str | None = None  # the split: see split_of
     seed: int = 0
     setting: str = ""
     dataset: str = ""
@@ -143,13 +143,12 @@ def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
         best, best_round = (top[1], top[0]) if top else (None, None)
         rounds = len(rows) if rows else None
         wall = rows[-1].get("elapsed-seconds") if rows else None
-    alpha = rc.get("alpha")
     return ResultRecord(
         name=str(cell["name"]) if cell is not None else run_dir.name,
         kind=kind,
         method=CENTRALIZED if kind == CENTRALIZED else str(rc.get("method", "")),
         fedspc=kind != CENTRALIZED and bool(rc.get("fedspc", False)),
-        alpha=None if kind == CENTRALIZED or alpha is None else float(alpha),
+        alpha=None if kind == CENTRALIZED else split_of(rc),
         seed=int(rc.get("seed", 0)),
         setting=str(setting),
         dataset=str(rc.get("dataset", "")),
@@ -283,7 +282,18 @@ def runs_stat(runs: Iterable[ResultRecord], *, metric: str = "final") -> Stat:
     return summarize(_accuracy(r, metric) for r in runs)
 
 
-def same_alpha(a: float | None, b: float | None) -> bool:
+def split_of(run_config: Mapping[str, Any]) -> float | str | None:
+    """The row key of a federated run's split: its Dirichlet α, or ``"S classes/client"``
+    for a class-count split (whose α the run-config carries but does not use)."""
+    if run_config.get("partition") == "classes":
+        return f"{run_config.get('classes-per-client')} classes/client"
+    alpha = run_config.get("alpha")
+    return None if alpha is None else float(alpha)
+
+
+def same_alpha(a: float | str | None, b: float | str | None) -> bool:
+    if isinstance(a, str) or isinstance(b, str):
+        return a == b
     return a is not None and b is not None and math.isclose(a, b)
 
 
@@ -300,8 +310,18 @@ def settings_of(records: Sequence[ResultRecord], kind: str = FEDERATED) -> list[
     return unique(r.setting for r in records if r.kind == kind)
 
 
-def alphas_of(records: Iterable[ResultRecord]) -> list[float]:
-    return sorted({r.alpha for r in records if r.kind == FEDERATED and r.alpha is not None})
+def alphas_of(records: Iterable[ResultRecord]) -> list[float | str]:
+    """The splits of the federated records: Dirichlet α ascending, then class-count
+    splits by classes per client."""
+    return sorted({r.alpha for r in records if r.kind == FEDERATED and r.alpha is not None},
+                  key=_split_order)
+
+
+def _split_order(split: float | str) -> tuple[int, float, str]:
+    if isinstance(split, str):
+        count = split.split()[0]
+        return 1, float(count) if count.isdigit() else math.inf, split
+    return 0, split, ""
 
 
 def methods_of(records: Iterable[ResultRecord]) -> list[str]:
@@ -310,9 +330,20 @@ def methods_of(records: Iterable[ResultRecord]) -> list[str]:
     return [m for m in METHOD_NAMES if m in seen] + [m for m in seen if m not in METHOD_NAMES]
 
 
-def alpha_text(alpha: float) -> str:
-    """``0.01``, ``0.1``, ``1.0`` as the paper writes them."""
-    return repr(float(alpha))
+def alpha_text(alpha: float | str) -> str:
+    """``0.01``, ``0.1``, ``1.0`` as the paper writes them; a class-count split as
+    ``5 classes/client``."""
+    return alpha if isinstance(alpha, str) else repr(float(alpha))
+
+
+def split_title(alpha: float | str) -> str:
+    """``α = 0.1`` or ``5 classes/client``, for plot titles."""
+    return alpha if isinstance(alpha, str) else f"α = {alpha_text(alpha)}"
+
+
+def split_slug(alpha: float | str) -> str:
+    """``a0.1`` or ``c5``, for file names."""
+    return f"c{alpha.split()[0]}" if isinstance(alpha, str) else f"a{alpha:g}"
 
 
 def mean_curve(records: Iterable[ResultRecord], series: str | None = None

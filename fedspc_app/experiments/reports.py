@@ -52,6 +52,8 @@ from fedspc_app.experiments.records import (
     runs_stat,
     same_alpha,
     settings_of,
+    split_slug,
+    split_title,
 )
 
 
@@ -420,7 +422,7 @@ def drift_table(records: Sequence[ResultRecord]) -> Table:
 
 
 def local_lines(federated: Sequence[ResultRecord], *, metric: str = "final") -> list[str]:
-    """``Local, each client alone (α 0.1, C-R34): 41.20%``: the reference of method
+    """``Local, each client alone (α = 0.1, C-R34): 41.20%``: the reference of method
     ``local`` under Table 3 (Table 1 has it as a row)."""
     lines = []
     for alpha in alphas_of(r for r in federated if r.method == LOCAL):
@@ -428,7 +430,7 @@ def local_lines(federated: Sequence[ResultRecord], *, metric: str = "final") -> 
             stat = cell_stat(federated, method=LOCAL, fedspc=False, alpha=alpha,
                              setting=setting, metric=metric)
             if stat.n:
-                lines.append(f"Local, each client alone (α {alpha_text(alpha)}, {setting}): "
+                lines.append(f"Local, each client alone ({split_title(alpha)}, {setting}): "
                              f"{stat.text()}%")
     return lines
 
@@ -537,11 +539,11 @@ def write_report(records: Sequence[ResultRecord], out_dir: str | Path, *,
     for setting in settings_of(records):
         for alpha in alphas_of(r for r in records if r.setting == setting):
             path = plot_curves(records, setting, alpha,
-                               out_dir / f"curves-{slug(setting)}-a{alpha:g}.png")
+                               out_dir / f"curves-{slug(setting)}-{split_slug(alpha)}.png")
             if path:
                 figures.append(path)
             path = plot_drift(records, setting, alpha,
-                              out_dir / f"drift-{slug(setting)}-a{alpha:g}.png")
+                              out_dir / f"drift-{slug(setting)}-{split_slug(alpha)}.png")
             if path:
                 figures.append(path)
     figures += plot_partition_panels(records, out_dir)
