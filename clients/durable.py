@@ -153,6 +153,11 @@ class DurableState:
                 stale = True
         return stale
 
+    def token_of(self, slot: str = COMMITTED) -> str | None:
+        """The run token the slot's file was written with (``None``: no file)."""
+        meta = self._meta(slot)
+        return None if meta is None else str(meta.get("run-token", ""))
+
     def _meta(self, slot: str) -> dict | None:
         loaded = self._load(slot, arrays=False)
         return loaded[0] if loaded else None

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from clients.durable import SIMULATION_FOLDER, DurableState
+from clients.durable import DurableState, simulation_folder
 from clients.local import assemble
 from clients.state import COMMITTED, PENDING, ClientState
 from fedspc_app.core.checkpoint import Checkpoint, fingerprint, read_checkpoint
@@ -32,7 +32,7 @@ from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.files import atomic_open, atomic_write
 from fedspc_app.core.methods import Method, get_method
-from fedspc_app.core.protocol import ACCEPTED_ROUNDS
+from fedspc_app.core.protocol import ACCEPTED_ROUNDS, RUN_TOKEN
 from fedspc_app.core.results import CONFIG_JSON, read_summary
 from fedspc_app.core.split import ParameterSplit, parameter_split
 from fedspc_app.core.task import KNOWN_SHAPES, DatasetShape, load_arrays, make_model
@@ -228,19 +228,23 @@ def saved_state(run: RunFolder, client: int,
     accepted = run.accepted_round(client)
     if accepted == 0:  # never aggregated: the common initial entries
         return ClientState()
+    token = str(run.checkpoint.strategy.get(RUN_TOKEN) or "")  # "": written before tokens
     found = []
     for folder in state_folders(run, client_state):
         store = DurableState(folder, run.config.resolved_run_name, client)
         for slot in (COMMITTED, PENDING):
             state = store.read(slot)
-            if state is not None and state.round == accepted:
+            if state is None:
+                continue
+            ours = not token or store.token_of(slot) == token
+            if ours and state.round == accepted:
                 return state
-            if state is not None:
-                found.append(f"{store.path(slot)} (round {state.round})")
+            found.append(f"{store.path(slot)} (round {state.round}"
+                         + ("" if ours else ", written by another run of this name") + ")")
     if found:
         raise ExportError(
             f"the checkpoint of {run.path} last aggregated client {client}'s training in "
-            f"round {accepted}, but its saved state is from another round: "
+            f"round {accepted}, but its saved state is from another round or run: "
             f"{', '.join(found)}; it belongs to another run of this name, or was replaced")
     raise ExportError(f"client {client}'s saved state (partition-{client}.npz) is not in "
                       f"{', '.join(map(str, state_folders(run, client_state)))}: "
@@ -249,15 +253,12 @@ def saved_state(run: RunFolder, client: int,
 
 def state_folders(run: RunFolder, client_state: str | Path | None) -> list[Path]:
     """Where client states may be: ``client_state`` or its ``<run-name>/`` (a copied
-    state-dir); else the run folder's ``client-state/`` and run-config ``client-state-dir``."""
+    state-dir); else where the simulation kept them (:func:`simulation_folder`)."""
+    name = run.config.resolved_run_name
     if client_state is not None:
-        roots = [Path(client_state).expanduser()]
-    else:
-        roots = [run.path / SIMULATION_FOLDER]
-        if run.config.client_state_dir:
-            roots.append(Path(run.config.client_state_dir).expanduser())
-    return [folder for root in roots
-            for folder in (root, root / run.config.resolved_run_name)]
+        root = Path(client_state).expanduser()
+        return [root, root / name]
+    return [simulation_folder(run.path, name, run.config.client_state_dir)]
 
 
 def missing_state_reason(run: RunFolder, client: int,

@@ -225,6 +225,20 @@ def test_a_pending_state_of_a_round_never_aggregated_is_ignored(fedper, tmp_path
         load_client_model(run_dir, 1)
 
 
+def test_a_state_of_the_right_round_written_by_another_run_is_refused(fedper, tmp_path):
+    # Another run of the same name (another run token) left a round-1 state here.
+    run_dir = copy_run(fedper, tmp_path)
+    store = DurableState(run_dir / SIMULATION_FOLDER, "fedper", 1)
+    assert store.token_of() not in (None, "")
+    committed = store.read()
+    zeroed = {key: np.zeros_like(value) for key, value in committed.personal.items()}
+    DurableState(store.directory, "fedper", 1, run_token="0" * 16).write(
+        ClientState(personal=zeroed, round=committed.round, rounds_trained=1))
+    with pytest.raises(ExportError, match=r"partition-1\.npz \(round 1, written by another "
+                                          r"run of this name\)"):
+        load_client_model(run_dir, 1)
+
+
 def test_a_deployments_client_state_is_read_from_a_copied_state_dir(fedper, tmp_path):
     run_dir = copy_run(fedper, tmp_path)
     record = json.loads((run_dir / "config.json").read_text())
