@@ -326,7 +326,32 @@ def main():
         x, y = load(*a)["acc"], load(*b)["acc"]
         print(f"{a[0]}/{a[1]} vs {b[0]}/{b[1]}, rounds 1-{n}: {max(abs(x[r] - y[r]) for r in range(1, n + 1)):.4f}")
 
+    matched_accuracy()
     predictions()
+
+
+def matched_accuracy(lo: float = 18.0, hi: float = 29.0):
+    """FedRep's Δ over the rounds whose Base accuracy lies in [lo, hi] %: the range the
+    narrow ResNet-34 covers in rounds 2-20. Is its small Δ only an earlier stage of
+    training than the CNN's round 20?"""
+    header(f"FedRep Δ at matched accuracy: rounds after the first with Base in {lo:g}-{hi:g} %")
+    specs = [("CNN", s, g, b) for s, g, b in ((0, "cpu-cifar100-cnn-mismatch", "fedrep"),
+                                                (1, "cpu-cifar100-cnn-seeds", "fedrep-s1"),
+                                                (2, "cpu-cifar100-cnn-seeds", "fedrep-s2"))]
+    specs += [("ResNet-34", s, DEPTH, f"fedrep-s{s}") for s in (0, 1, 2)]
+    for model, seed, grid, base in specs:
+        if not (_complete(RESULTS / grid / base) and _complete(RESULTS / grid / twin(base))):
+            continue
+        p = Pair(model, seed, grid, base)
+        d = p.diff()
+        rounds = [r for r in p.rounds if r >= 2 and lo <= p.base["acc"][r] <= hi]
+        if not rounds:
+            print(f"{model:9s} s{seed}: no round in the range")
+            continue
+        vals = [d[r] for r in rounds]
+        print(f"{model:9s} s{seed}: rounds {rounds_where(dict.fromkeys(rounds, 1), 1)}"
+              f" (Base {p.base['acc'][rounds[0]]:.1f}-{p.base['acc'][rounds[-1]]:.1f} %):"
+              f" mean Δ {f(float(np.mean(vals)))}, range {min(vals):+.2f}..{max(vals):+.2f}")
 
 
 # The cells of PREDICTIONS.md: (id, grid, Base, +FedSPC, grid of the +FedSPC run).
