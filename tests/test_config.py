@@ -185,7 +185,7 @@ def test_x_keys_are_kept_in_extra():
 # ------------------------------------------------------------------ choices
 CHOICES = {
     "dataset": ["digits", "cifar10", "cifar100", "tinyimagenet"],
-    "model": ["cnn", "resnet34", "vgg11", "vit"],
+    "model": ["cnn", "cnn-bn", "resnet18", "resnet34", "vgg11", "vit"],
     "method": list(METHODS),
     "aggregation": ["mean", "weighted"],
     "augment": ["auto", "none", "crop-flip"],

@@ -21,6 +21,7 @@ SMALL_VIT = {"vit_embed_dim": 96}
 EXPECTED_HEAD_KEYS = {
     "cnn": {"head.weight", "head.bias"},
     "cnn-bn": {"head.weight", "head.bias"},
+    "resnet18": {"fc.weight", "fc.bias"},
     "resnet34": {"fc.weight", "fc.bias"},
     "vgg11": {"head.weight", "head.bias"},
     "vit": {"head.weight", "head.bias"},
@@ -166,7 +167,7 @@ def test_split_body_head(models: dict[str, nn.Module], name: str) -> None:
         assert [k for k in keys if ".norm" in k] == [
             f"features.norm{i}.{key}" for i in (1, 2) for key in
             ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")]
-    if name in ("resnet34", "vgg11", "cnn-bn"):
+    if name in ("resnet18", "resnet34", "vgg11", "cnn-bn"):
         assert any(k.endswith("running_mean") for k in body)
         assert any(k.endswith("num_batches_tracked") for k in body)
     if name == "vit":
@@ -195,7 +196,7 @@ def test_different_seed_different_weights(models: dict[str, nn.Module], name: st
     first = models[name].state_dict()
     assert any(not torch.equal(first[k], other[k]) for k in first)
     # The re-initialised resnet stem must follow the seed too.
-    if name == "resnet34":
+    if name.startswith("resnet"):
         assert not torch.equal(first["conv1.weight"], other["conv1.weight"])
 
 
@@ -214,7 +215,7 @@ def test_unseeded_builds_differ() -> None:
 
 
 def test_unknown_model_name() -> None:
-    with pytest.raises(ConfigError, match="cnn, cnn-bn, resnet34, vgg11, vit"):
+    with pytest.raises(ConfigError, match="cnn, cnn-bn, resnet18, resnet34, vgg11, vit"):
         build_model("resnet50", num_classes=10)
 
 
@@ -337,7 +338,8 @@ def test_initial_model_is_reset_to_a_fresh_build_after_any_use() -> None:
 
 
 # ------------------------------------------------------------------ model-width
-WIDTH_CASES = {"resnet34": [64, 128, 256, 512], "vgg11": [64, 128, 256, 256, 512, 512, 512, 512]}
+WIDTH_CASES = {"resnet18": [64, 128, 256, 512], "resnet34": [64, 128, 256, 512],
+               "vgg11": [64, 128, 256, 256, 512, 512, 512, 512]}
 
 
 def _conv_widths(name: str, model: nn.Module) -> list[int]:
@@ -367,14 +369,16 @@ def test_model_width_scales_every_layer_and_keeps_depth_keys_and_split(name: str
         p.numel() for p in full.parameters()) / 10
 
 
-def test_narrow_resnet34_first_block_takes_the_narrow_stem_without_a_projection() -> None:
-    model = _build("resnet34", seed=0, width=0.125)
+@pytest.mark.parametrize("name", ["resnet18", "resnet34"])
+def test_a_narrow_resnets_first_block_takes_the_narrow_stem_without_a_projection(
+        name: str) -> None:
+    model = _build(name, seed=0, width=0.125)
     first = model.layer1[0]
     assert model.conv1.out_channels == model.bn1.num_features == 8
     assert first.conv1.in_channels == 8 and first.downsample is None
     assert model.feature_info[0]["num_chs"] == 8
     # The same seed builds the same narrow model.
-    again = _build("resnet34", seed=0, width=0.125)
+    again = _build(name, seed=0, width=0.125)
     for a, b in zip(model.state_dict().values(), again.state_dict().values()):
         assert torch.equal(a, b)
 
@@ -382,7 +386,7 @@ def test_narrow_resnet34_first_block_takes_the_narrow_stem_without_a_projection(
 @pytest.mark.parametrize("settings, message", [
     ({"model-width": 0}, "'model-width' must be > 0"),
     ({"model-width": -0.5, "model": "resnet34"}, "'model-width' must be > 0"),
-    ({"model-width": 0.5}, "applies to resnet34 and vgg11 only; model 'cnn'"),
+    ({"model-width": 0.5}, "applies to resnet18, resnet34 and vgg11 only; model 'cnn'"),
     ({"model-width": 0.5, "model": "vit"}, "model 'vit' has no width"),
     ({"model-width": 0.005, "model": "resnet34"}, "narrowest layer .* with no channels"),
     ({"model-width": 0.007, "model": "vgg11"}, "with no channels"),
@@ -398,3 +402,15 @@ def test_build_model_refuses_a_width_for_a_model_without_one() -> None:
         build_model("cnn", num_classes=10, width=0.5)
     with pytest.raises(ConfigError, match="no channels"):
         build_model("vgg11", num_classes=10, width=0.001)
+
+
+def test_resnet18_is_resnet34_with_two_blocks_a_stage() -> None:
+    # The same stem, blocks, widths and head; only the number of blocks per stage differs.
+    r18, r34 = _build("resnet18", seed=0, width=0.25), _build("resnet34", seed=0, width=0.25)
+    assert [len(getattr(r18, f"layer{i}")) for i in range(1, 5)] == [2, 2, 2, 2]
+    assert [len(getattr(r34, f"layer{i}")) for i in range(1, 5)] == [3, 4, 6, 3]
+    assert _conv_widths("resnet18", r18) == _conv_widths("resnet34", r34)
+    assert isinstance(r18.maxpool, nn.Identity) and r18.conv1.stride == (1, 1)
+    blocks34 = {k for k in r34.state_dict() if k.startswith("layer")}
+    assert {k for k in r18.state_dict() if k.startswith("layer")} < blocks34
+    assert split_body_head(r18)[1] == split_body_head(r34)[1] == ("fc.weight", "fc.bias")

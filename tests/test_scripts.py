@@ -36,6 +36,6 @@ def test_the_regime_studys_recomputation_runs_on_the_committed_metrics():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     scored = done.stdout.split("== Predictions")[1]
-    for pid in ("P1", "P2", "P3", "P4", "P5", "P6", "P7"):
+    for pid in ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8"):
         assert f"\n{pid}:" in scored
     assert "HIT" in scored or "MISS" in scored

@@ -20,11 +20,17 @@ from typing import Any
 from fedspc_app.core.errors import ConfigError
 
 DATASETS = ("digits", "cifar10", "cifar100", "tinyimagenet")
-MODELS = ("cnn", "cnn-bn", "resnet34", "vgg11", "vit")
+MODELS = ("cnn", "cnn-bn", "resnet18", "resnet34", "vgg11", "vit")
 # Models whose channel widths scale with run-config 'model-width', and the channels of
-# their narrowest layer at width 1.0 (ResNet-34's stem and first stage, VGG-11's first
+# their narrowest layer at width 1.0 (a ResNet's stem and first stage, VGG-11's first
 # convolution).
-WIDTH_MODELS = {"resnet34": 64, "vgg11": 64}
+WIDTH_MODELS = {"resnet18": 64, "resnet34": 64, "vgg11": 64}
+
+
+def width_models_text() -> str:
+    """``resnet18, resnet34 and vgg11``."""
+    names = list(WIDTH_MODELS)
+    return ", ".join(names[:-1]) + " and " + names[-1]
 AGGREGATIONS = ("mean", "weighted")
 AUGMENTS = ("auto", "none", "crop-flip")
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -320,7 +326,7 @@ def _check_width(model: str, width: float) -> None:
         return
     if model not in WIDTH_MODELS:
         raise ConfigError(
-            f"run-config 'model-width' = {width:g} applies to {' and '.join(WIDTH_MODELS)} "
+            f"run-config 'model-width' = {width:g} applies to {width_models_text()} "
             f"only; model {model!r} has no width to scale (leave model-width = 1.0)")
     if round(WIDTH_MODELS[model] * width) < 1:
         raise ConfigError(

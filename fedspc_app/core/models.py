@@ -20,6 +20,10 @@ The models:
     one and the stem max-pool is removed, so a 32x32 image is not shrunk to 1x1 by the last
     stage. The classifier is ``fc``. ``width`` (run-config ``model-width``) scales every
     stage's channels and the stem's, keeping the depth, the residuals and BatchNorm.
+``resnet18``
+    timm's ResNet-18 built the same way (the same blocks, stem, BatchNorm, widths and
+    classifier, two blocks per stage instead of 3, 4, 6, 3): the depth between the CNN
+    and ResNet-34, for asking whether an effect grows with depth.
 ``vgg11``
     A CIFAR-style VGG-11 with BatchNorm: the VGG-11 convolutional feature extractor, global
     average pooling to a 512-d feature and one ``Linear(512, num_classes)`` classifier
@@ -34,6 +38,7 @@ The models:
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -41,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedspc_app.core.config import MODELS, WIDTH_MODELS
+from fedspc_app.core.config import MODELS, WIDTH_MODELS, width_models_text
 from fedspc_app.core.errors import ConfigError
 
 __all__ = [
@@ -222,13 +227,14 @@ def _build_cnn_bn(num_classes: int, in_chans: int, image_size: int, **_: Any) ->
                      batch_norm=True)
 
 
-def _build_resnet34(num_classes: int, in_chans: int, image_size: int, *, width: float = 1.0,
-                    **_: Any) -> nn.Module:
+def _build_resnet(arch: str, num_classes: int, in_chans: int, image_size: int, *,
+                  width: float = 1.0, **_: Any) -> nn.Module:
+    """timm's ``arch`` (``resnet18`` or ``resnet34``) with the CIFAR stem, ``width`` wide."""
     import timm  # imported when needed: it takes about 1.5 s (torchvision, dynamo)
 
-    channels = scale_channels("resnet34", RESNET_CHANNELS, width)
+    channels = scale_channels(arch, RESNET_CHANNELS, width)
     model = timm.create_model(
-        "resnet34", pretrained=False, num_classes=num_classes, in_chans=in_chans,
+        arch, pretrained=False, num_classes=num_classes, in_chans=in_chans,
         channels=channels,
     )
     stem_out = model.conv1.out_channels
@@ -274,7 +280,7 @@ def _build_vit(num_classes: int, in_chans: int, image_size: int, *, vit_embed_di
             f"model 'vit' needs image_size divisible by the patch size {VIT_PATCH_SIZE}, "
             f"got {image_size}"
         )
-    from timm.models.vision_transformer import VisionTransformer  # see _build_resnet34
+    from timm.models.vision_transformer import VisionTransformer  # see _build_resnet
 
     return VisionTransformer(
         img_size=image_size,
@@ -290,7 +296,8 @@ def _build_vit(num_classes: int, in_chans: int, image_size: int, *, vit_embed_di
 _BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "cnn": _build_cnn,
     "cnn-bn": _build_cnn_bn,
-    "resnet34": _build_resnet34,
+    "resnet18": functools.partial(_build_resnet, "resnet18"),
+    "resnet34": functools.partial(_build_resnet, "resnet34"),
     "vgg11": _build_vgg11,
     "vit": _build_vit,
 }
@@ -316,7 +323,7 @@ def build_model(
     With ``seed`` the initial weights are a function of it alone (every client of a
     run starts from the same model) and the global torch RNG is left as it was.
     ``vit_embed_dim`` (a multiple of the 12 heads) is used by ``vit`` only; ``width``
-    scales the channels of ``resnet34`` and ``vgg11`` and must be 1.0 for the others.
+    scales the channels of the ResNets and ``vgg11`` and must be 1.0 for the others.
     Raises ConfigError for an unknown name or an impossible option.
     """
     if name not in _BUILDERS:
@@ -334,7 +341,7 @@ def build_model(
         raise ConfigError(f"seed must be an integer or None, got {seed!r}")
     if not width > 0 or (width != 1.0 and name not in WIDTH_MODELS):
         raise ConfigError(f"width {width!r} is not a width of model {name!r} (a positive "
-                          f"factor, for {' and '.join(WIDTH_MODELS)} only)")
+                          f"factor, for {width_models_text()} only)")
 
     builder = _BUILDERS[name]
     options = dict(vit_embed_dim=vit_embed_dim, width=width)

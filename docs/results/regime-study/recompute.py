@@ -20,7 +20,7 @@ by the claim it supports, so the text can be held against it:
   recorded, the accuracy before aggregation (the local fit) and the averaging gain;
 * the 50-round and Ditto-global details, SCAFFOLD against FedAvg, and how well a
   run repeats under the same seed;
-* the predictions of PREDICTIONS.md (P1-P7), each scored hit / miss by the rule
+* the predictions of PREDICTIONS.md (P1-P8), each scored hit / miss by the rule
   written there, from the runs committed so far (a cell not yet run says so).
 
 A pair is a Base run folder and its +FedSPC twin: ``fedrep`` / ``fedrep+fedspc``,
@@ -338,6 +338,7 @@ def matched_accuracy(lo: float = 18.0, hi: float = 29.0):
     specs = [("CNN", s, g, b) for s, g, b in ((0, "cpu-cifar100-cnn-mismatch", "fedrep"),
                                                 (1, "cpu-cifar100-cnn-seeds", "fedrep-s1"),
                                                 (2, "cpu-cifar100-cnn-seeds", "fedrep-s2"))]
+    specs += [("ResNet-18", s, "cpu-cifar100-resnet18-depth", f"fedrep-s{s}") for s in (0, 1, 2)]
     specs += [("ResNet-34", s, DEPTH, f"fedrep-s{s}") for s in (0, 1, 2)]
     for model, seed, grid, base in specs:
         if not (_complete(RESULTS / grid / base) and _complete(RESULTS / grid / twin(base))):
@@ -363,6 +364,7 @@ CELLS = {
     "P4": [(DEPTH, f"lgfedavg-s{s}", None, None) for s in (0, 1, 2)],
     "P5": [("cpu-cifar100-resnet34-long", "fedrep-s0", None, None)],
     "P6": [("cpu-cifar100-resnet34-e5", "fedrep-s0", None, None)],
+    "P8": [("cpu-cifar100-resnet18-depth", f"fedrep-s{s}", None, None) for s in (0, 1, 2)],
 }
 
 
@@ -410,6 +412,8 @@ def predictions():
                 and (len(ds) < 3 or min(ds) < 0 < max(ds))}),
         "P5": ("negative at round 50", {"sign": lambda ds: all(d < 0 for d in ds)}),
         "P6": ("negative, not smaller in size than at E = 1 (same seed)", {}),
+        "P8": ("no effect: within ±0.5 at every seed",
+               {"size": lambda ds: all(abs(d) <= 0.5 for d in ds)}),
     }
     for pid, specs in CELLS.items():
         pairs, missing = cell_pairs(specs)
@@ -433,7 +437,7 @@ def predictions():
               f" -> {scored}{' so far' if missing else ''}")
     print("P7: the correction lowers the shared block's update dispersion in rounds 2-10, and"
           " +FedSPC's train loss is higher in at least 90 % of the rounds after the first")
-    for pid in ("P3", "P4", "P5", "P6"):
+    for pid in ("P3", "P4", "P5", "P6", "P8"):
         for p in cell_pairs(CELLS[pid])[0]:
             db, ds_ = wmean(p.base["disp"], 2, 10), wmean(p.spc["disp"], 2, 10)
             h, _, n = p.loss_higher()
