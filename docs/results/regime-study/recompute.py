@@ -224,7 +224,9 @@ def main():
           f" round 20: {lg5.spc['loss'][20]:.3f} vs {lg5.base['loss'][20]:.3f}")
 
     header("Local fit and averaging (runs with accuracy before aggregation; points)")
-    for p in pairs:
+    depth = [Pair("R34", seed, DEPTH, f"{method}-s{seed}") for method in ("fedrep", "lgfedavg")
+             for seed in (0, 1, 2) if _complete(RESULTS / DEPTH / f"{method}+fedspc-s{seed}")]
+    for p in pairs + depth:
         if not p.base["before"]:
             continue
         for lo, hi in windows(p.last):
