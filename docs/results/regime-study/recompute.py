@@ -86,10 +86,10 @@ def load(grid: str, name: str) -> dict:
 
 
 class Pair:
-    def __init__(self, setting, seed, grid, base, spc=None, method=None):
+    def __init__(self, setting, seed, grid, base, spc=None, method=None, spc_grid=None):
         self.setting, self.seed, self.grid = setting, seed, grid
         self.method = method or base.split("-")[0]
-        self.base, self.spc = load(grid, base), load(grid, spc or twin(base))
+        self.base, self.spc = load(grid, base), load(spc_grid or grid, spc or twin(base))
         self.rounds = sorted(set(self.base["acc"]) & set(self.spc["acc"]))
         self.last = self.rounds[-1]
 
@@ -377,12 +377,8 @@ def cell_pairs(specs):
         spc = spc or twin(base)
         paths = [RESULTS / grid / base, RESULTS / (spc_grid or grid) / spc]
         if all(_complete(path) for path in paths):
-            pair = Pair("cell", int(base.rpartition("-s")[2]) if "-s" in base else 0, grid, base)
-            if spc_grid:  # the +FedSPC run lives in another grid
-                pair.spc = load(spc_grid, spc)
-                pair.rounds = sorted(set(pair.base["acc"]) & set(pair.spc["acc"]))
-                pair.last = pair.rounds[-1]
-            done.append(pair)
+            seed = int(base.rpartition("-s")[2]) if "-s" in base else 0
+            done.append(Pair("cell", seed, grid, base, spc, spc_grid=spc_grid))
         else:
             missing.append(f"{grid}/{base} ± FedSPC")
     return done, missing
