@@ -329,6 +329,7 @@ def main():
         print(f"{a[0]}/{a[1]} vs {b[0]}/{b[1]}, rounds 1-{n}: {max(abs(x[r] - y[r]) for r in range(1, n + 1)):.4f}")
 
     matched_accuracy()
+    depth_seeds()
     predictions()
 
 
@@ -355,6 +356,35 @@ def matched_accuracy(lo: float = 18.0, hi: float = 29.0):
         print(f"{model:9s} s{seed}: rounds {rounds_where(dict.fromkeys(rounds, 1), 1)}"
               f" (Base {p.base['acc'][rounds[0]]:.1f}-{p.base['acc'][rounds[-1]]:.1f} %):"
               f" mean Δ {f(float(np.mean(vals)))}, range {min(vals):+.2f}..{max(vals):+.2f}")
+
+
+def t_two_sided(values) -> tuple[float, float | None]:
+    """One-sample t statistic of ``values`` against 0 and its two-sided p. The p is
+    given for three values only (2 degrees of freedom, where Student's CDF is
+    1/2 + t / (2 sqrt(2 + t^2))); None otherwise."""
+    x = np.asarray(values, dtype=float)
+    t = float(x.mean() / (x.std(ddof=1) / np.sqrt(len(x))))
+    return t, (1 - abs(t) / np.sqrt(2 + t * t)) if len(x) == 3 else None
+
+
+def depth_seeds():
+    """The ResNet pairs at three seeds: mean, SD, t, seed-mean windows, late rounds."""
+    header("ResNet pairs by seed: Δ at round 20, mean ± SD, t against 0; seed-mean curve")
+    for model, grid in (("ResNet-34", DEPTH), ("ResNet-18", "cpu-cifar100-resnet18-depth")):
+        for method in ("fedrep", "lgfedavg"):
+            pairs, _ = cell_pairs([(grid, f"{method}-s{s}", None, None) for s in (0, 1, 2)])
+            if len(pairs) < 2:
+                continue
+            _, curve, finals, sd, ahead = seed_group(pairs, method, "cell")
+            t, pval = t_two_sided(finals)
+            late = ", ".join(f(wmean(p.diff(), 16, 20)) for p in pairs)
+            clients = [sum(p.clients()[i] for p in pairs) for i in (0, 1)]
+            print(f"{model} {method:8s} seeds {[p.seed for p in pairs]} Δ {[round(v, 2) for v in finals]}"
+                  f" mean {f(float(np.mean(finals)))} SD {sd:.2f} t {t:.2f}"
+                  f"{f' p {pval:.2f}' if pval is not None else ''}; seed-mean curve ahead / behind"
+                  f" {ahead[0]} / {ahead[1]}, 2-10 {f(wmean(curve, 2, 10))}, 11-20"
+                  f" {f(wmean(curve, 11, 20))}; rounds 16-20 per seed {late};"
+                  f" clients {clients[0]} / {clients[1]}")
 
 
 # The cells of PREDICTIONS.md: (id, grid, Base, +FedSPC, grid of the +FedSPC run).
