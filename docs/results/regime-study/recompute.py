@@ -53,7 +53,10 @@ PAIRS = [
     ("a0.01", 0, "cpu-cifar100-cnn", "fedrep-a0.01"),
     ("a0.01", 0, "cpu-cifar100-cnn-mismatch-a001", "lgfedavg"),
     ("a0.01", 0, "cpu-cifar100-cnn", "ditto-a0.01"),
-    ("E5", 0, "cpu-cifar100-cnn-e5", "fedrep"),
+    # FedRep's E = 5 Base rerun on the current code, against the committed +FedSPC run
+    # (the first Base, made before the partition-ordered aggregation: e5_rerun()).
+    ("E5", 0, "cpu-cifar100-cnn-e5-fedrep-base", "fedrep", "fedrep+fedspc", None,
+     "cpu-cifar100-cnn-e5"),
     ("E5", 0, "cpu-cifar100-cnn-e5", "lgfedavg"),
     ("E5", 1, "cpu-cifar100-cnn-e5-seeds", "lgfedavg-s1"),
     ("E5", 0, "cpu-cifar100-cnn-e5", "ditto"),
@@ -329,6 +332,7 @@ def main():
         print(f"{a[0]}/{a[1]} vs {b[0]}/{b[1]}, rounds 1-{n}: {max(abs(x[r] - y[r]) for r in range(1, n + 1)):.4f}")
 
     matched_accuracy()
+    e5_rerun()
     depth_seeds()
     predictions()
 
@@ -356,6 +360,24 @@ def matched_accuracy(lo: float = 18.0, hi: float = 29.0):
         print(f"{model:9s} s{seed}: rounds {rounds_where(dict.fromkeys(rounds, 1), 1)}"
               f" (Base {p.base['acc'][rounds[0]]:.1f}-{p.base['acc'][rounds[-1]]:.1f} %):"
               f" mean Δ {f(float(np.mean(vals)))}, range {min(vals):+.2f}..{max(vals):+.2f}")
+
+
+def e5_rerun():
+    """FedRep's E = 5 Base: the first run against its rerun on the current code."""
+    header("FedRep E = 5: the first Base against its rerun (current code), and each against +FedSPC")
+    grid, rerun = "cpu-cifar100-cnn-e5", "cpu-cifar100-cnn-e5-fedrep-base"
+    if not _complete(RESULTS / rerun / "fedrep"):
+        print("rerun not run yet")
+        return
+    first, again = load(grid, "fedrep"), load(rerun, "fedrep")
+    d = {r: again["acc"][r] - first["acc"][r] for r in first["acc"]}
+    print(f"rerun - first: round 1 {f(d[1])}, round 20 {f(d[20])}, max |difference|"
+          f" {max(abs(v) for v in d.values()):.2f} (round {max(d, key=lambda r: abs(d[r]))})")
+    for name, base_grid in (("first", grid), ("rerun", rerun)):
+        p = Pair("E5", 0, base_grid, "fedrep", "fedrep+fedspc", spc_grid=grid)
+        print(f"{name:5s} Base: Δ@20 {f(p.final())}, round 1 {f(p.diff()[1])},"
+              f" last 5 {f(wmean(p.diff(), 16, 20))}, ahead / behind {'/'.join(map(str, p.ahead_behind()))},"
+              f" Base drift rounds {len(p.base['disp'])}, +FedSPC drift rounds {len(p.spc['disp'])}")
 
 
 def t_two_sided(values) -> tuple[float, float | None]:
