@@ -59,6 +59,7 @@ PAIRS = [
      "cpu-cifar100-cnn-e5"),
     ("E5", 0, "cpu-cifar100-cnn-e5", "lgfedavg"),
     ("E5", 1, "cpu-cifar100-cnn-e5-seeds", "lgfedavg-s1"),
+    ("E5", 2, "cpu-cifar100-cnn-e5-seeds", "lgfedavg-s2"),
     ("E5", 0, "cpu-cifar100-cnn-e5", "ditto"),
     ("E5-a0.01", 0, "cpu-cifar100-cnn-e5-a001", "lgfedavg"),
     ("E5-a0.01", 0, "cpu-cifar100-cnn-e5-a001", "ditto"),
@@ -180,8 +181,10 @@ def main():
         ca = sum(p.clients()[0] for p in group)
         cb = sum(p.clients()[1] for p in group)
         win = ", ".join(f"{lo}-{hi} {f(wmean(curve, lo, hi))}" for lo, hi in windows(20))
+        tval, pval = t_two_sided(finals)
         print(f"{method} {setting}: seeds {[p.seed for p in group]} Δ {[round(x, 2) for x in finals]}"
-              f" mean {f(curve[20])} SD {sd:.2f} range {min(finals):+.2f}..{max(finals):+.2f};"
+              f" mean {f(curve[20])} SD {sd:.2f} t {tval:.2f}{f' p {pval:.3f}' if pval is not None else ''}"
+              f" range {min(finals):+.2f}..{max(finals):+.2f};"
               f" seed-mean curve ahead / behind {a} / {b}; clients {ca} / {cb}; by window {win}")
     e1 = [p.final() for p in pairs if p.setting == "E1" and p.method != "ditto"]
     print(f"E1 FedRep+LG per-seed Δ spread within a method:"
