@@ -35,8 +35,15 @@ from fedspc_app.core.partition_files import save_partition
 from fedspc_app.core.pause import RunPaused, clear_pause
 from fedspc_app.core.precision import apply_determinism, emulation_warning, precision_report
 from fedspc_app.core.protocol import ACCEPTED_ROUNDS, DEPLOYMENT, NUM_CLIENTS, RUN_NAME
+from fedspc_app.core.provenance import provenance
 from fedspc_app.core.records import to_record
-from fedspc_app.core.results import RunRecorder, TrafficGrid, read_summary
+from fedspc_app.core.results import (
+    CONFIG_JSON,
+    RunRecorder,
+    TrafficGrid,
+    read_json_file,
+    read_summary,
+)
 from fedspc_app.core.runfolder import claim_run_folder
 from fedspc_app.core.split import ParameterSplit, parameter_split
 from fedspc_app.core.task import (
@@ -176,6 +183,11 @@ def train(grid: Grid, checked: CheckedRun) -> None:
         log(ERROR, "Run not started: %s", error)
         raise SystemExit(f"fedspc: {error}") from None
     precision = run_precision(config, deployment)
+    made_by, code_warning = provenance(
+        read_json_file(config.run_dir / CONFIG_JSON) if resumed else None,
+        resumed.round if resumed else 0, precision["device"] if not deployment else "cpu")
+    if code_warning:
+        log(WARNING, "%s", code_warning)
     warmed = (warm_up.finish(grid, checked.warm_up, config.round_timeout)
               if checked.warm_up else None)
     recorder.start(extra={
@@ -190,6 +202,8 @@ def train(grid: Grid, checked: CheckedRun) -> None:
         "personal-keys": list(split.personal),
         "resumed-after-round": resumed.round if resumed else 0,
         "precision": precision,
+        # Which code, software and machine made it (each start of the run: segments).
+        **made_by,
         # The server's own settings; each client applies the same key for itself.
         "deterministic": apply_determinism(config.deterministic),
         **({"client-warm-up": warmed} if warmed else {}),

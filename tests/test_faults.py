@@ -22,6 +22,7 @@ from inprocess import InProcessGrid, run_server
 from clients.state import COMMITTED, PENDING, ClientState
 from fedspc_app import client_app, server_app
 from fedspc_app.client_app import check_node_config
+from fedspc_app.core import provenance
 from fedspc_app.core.checkpoint import CHECKPOINT_JSON
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.errors import ConfigError
@@ -313,6 +314,34 @@ def test_config_json_holds_no_path_of_this_machine_and_the_run_still_resumes(tmp
         assert written["run-config"]["run-name"] == "run"
         assert [text for text in strings(written) if str(tmp) in text] == []
         assert written["resumed-after-round"] == (1 if resumed else 0)
+
+
+@pytest.mark.parametrize("same_code", [True, False])
+def test_a_resumed_run_records_each_segment_and_the_code_that_made_it(tmp, monkeypatch,
+                                                                      same_code):
+    def crashing(*args):
+        grid = Crashing(*args)
+        grid.crash_at = 8  # in round 2's training, after round 1's checkpoint
+        return grid
+
+    with pytest.raises(Crash):
+        run(tmp, grid_type=crashing, checkpoint=True, num_rounds=2)
+    first = json.loads((tmp / "run" / "config.json").read_text())
+    assert first["code"]["source-sha256"] == provenance.source_hash()
+    assert first["software"]["flwr"] and first["machine"]["cpu"]
+    if provenance.git_origin() is not None:  # a checkout: its commit too
+        assert first["code"]["git-commit"] == provenance.git_origin()["git-commit"]
+    assert [s["first-round"] for s in first["segments"]] == [1]
+    if not same_code:  # a fix landed between the two starts
+        other = {**first["code"], "source-sha256": "f" * 64}
+        monkeypatch.setattr(provenance, "code_version", lambda: other)
+    _, rounds, error = run(tmp, checkpoint=True, num_rounds=2, resume=True)
+    assert error is None and [r["round"] for r in rounds] == [1, 2]
+    written = json.loads((tmp / "run" / "config.json").read_text())
+    assert [s["first-round"] for s in written["segments"]] == [1, 2]
+    assert written["segments"][0] == first["segments"][0]
+    assert provenance.code_changes(written["segments"]) == ([] if same_code else [2])
+    assert written["code"] == written["segments"][-1]["code"]
 
 
 def test_a_round_resumed_after_its_aggregation_counts_its_earlier_training_time(tmp):

@@ -143,13 +143,19 @@ def write_metrics(run_dir: Path, payload: Mapping[str, Any], rows: Iterable[Mapp
     atomic_write(run_dir / METRICS_CSV, buffer.getvalue())
 
 
-def read_summary(run_dir: Path) -> dict[str, Any] | None:
-    """A run folder's ``summary.json``, or ``None`` when it is missing or unreadable."""
+def read_json_file(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or ``None`` when it is missing, unreadable or not
+    an object."""
     try:
-        summary = json.loads((Path(run_dir) / SUMMARY_JSON).read_text())
+        payload = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
-    return summary if isinstance(summary, dict) else None
+    return payload if isinstance(payload, dict) else None
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """A run folder's ``summary.json``, or ``None`` when it is missing or unreadable."""
+    return read_json_file(Path(run_dir) / SUMMARY_JSON)
 
 
 def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 import tomli_w
 
 from fedspc_app.core.pause import RunPaused
+from fedspc_app.core.provenance import origin_env
 from fedspc_app.core.runfolder import claim_run_folder
 from fedspc_app.launch.processes import (
     OwnedProcess,
@@ -40,7 +41,8 @@ CONNECTION = "fedspc-sim"
 
 def flower_env(flwr_home: str | os.PathLike[str]) -> dict[str, str]:
     """Environment for Flower's processes and ``flwr``: a private home, no runtime
-    installs, this interpreter's console scripts first on PATH."""
+    installs, this interpreter's console scripts first on PATH, and the checkout's
+    git commit (:func:`fedspc_app.core.provenance.origin_env`)."""
     env = child_env()
     env.update({
         "FLWR_HOME": str(Path(flwr_home)),
@@ -48,6 +50,8 @@ def flower_env(flwr_home: str | os.PathLike[str]) -> dict[str, str]:
         "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "PYTHONUNBUFFERED": "1",
+        # The checkout the FAB is built from, for the runs' config.json (provenance).
+        **origin_env(APP_DIR),
     })
     return env
 
