@@ -56,7 +56,7 @@ from fedspc_app.core.task import (
 from fedspc_app.core.tensorboard import check_tensorboard
 from fedspc_app.deployment import is_deployment, preflight, server_dataset
 from fedspc_app.server_eval import ServerEvaluator, check_server_evaluation
-from strategies import FedSPC, PersonalizedFedAvg, run_rounds
+from strategies import FedSPC, PersonalizedFedAvg, RoundReport, run_rounds
 
 app = ServerApp()
 
@@ -236,6 +236,13 @@ def train(grid: Grid, checked: CheckedRun) -> None:
             records.on_round_end(server_round, train_metrics, evaluate_metrics, report)
 
     evaluate_first = resumed is not None and resumed.phase == TRAINED
+    if evaluate_first and resumed.trained:
+        # The round's training happened before the restart: its record keeps that
+        # phase's traffic and the fate of its replies.
+        traffic.sent = int(resumed.trained.get("bytes-sent") or 0)
+        traffic.received = int(resumed.trained.get("bytes-received") or 0)
+        if isinstance(resumed.trained.get("report"), dict):
+            strategy.report = RoundReport(**resumed.trained["report"])
     try:
         run_rounds(
             strategy, traffic,

@@ -316,6 +316,29 @@ def test_config_json_holds_no_path_of_this_machine_and_the_run_still_resumes(tmp
         assert written["resumed-after-round"] == (1 if resumed else 0)
 
 
+def test_a_round_resumed_between_training_and_evaluation_keeps_its_training_record(tmp):
+    # Node 1's round-2 update is NaN: dropped. The crash comes in round 2's evaluation,
+    # after the aggregation's checkpoint; the resumed run only evaluates round 2.
+    faults = {(1, 2, "train"): nan_arrays}
+    _, expected, _ = run(tmp / "a", client=Faulty(faults), checkpoint=True)
+
+    def crashing(*args):
+        grid = Crashing(*args)
+        grid.crash_at = 10
+        return grid
+
+    with pytest.raises(Crash):
+        run(tmp / "b", client=Faulty(faults), grid_type=crashing, checkpoint=True)
+    _, resumed, error = run(tmp / "b", client=Faulty(faults), checkpoint=True,
+                            resume=True)
+    assert error is None
+    fields = ("failed", "train-dropped", "evaluate-dropped", "dropped-reasons",
+              "bytes-sent", "bytes-received", "train-clients")
+    assert expected[1]["train-dropped"] == 1 and expected[1]["bytes-received"] > 0
+    assert {k: resumed[1].get(k) for k in fields} == {k: expected[1].get(k) for k in fields}
+    assert resumed[1]["round-seconds"] >= 0.5 * expected[1]["round-seconds"]
+
+
 @pytest.mark.parametrize("same_code", [True, False])
 def test_a_resumed_run_records_each_segment_and_the_code_that_made_it(tmp, monkeypatch,
                                                                       same_code):

@@ -11,6 +11,7 @@ complete arrays file; older arrays files are removed after it is replaced.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -64,6 +65,10 @@ class Checkpoint:
     rounds: list[dict[str, Any]] = field(default_factory=list)
     elapsed_seconds: float = 0.0
     train_metrics: dict[str, Any] | None = None  # phase "trained": the aggregation's
+    # Phase "trained": what the round's record needs from its training phase (the
+    # replies' fate as a RoundReport's fields, the bytes it sent and received), so a
+    # round resumed between training and evaluation records them as if uninterrupted.
+    trained: dict[str, Any] | None = None
 
 
 def _arrays_name(server_round: int) -> str:
@@ -91,6 +96,7 @@ def write_checkpoint(run_dir: Path, checkpoint: Checkpoint, identity: dict[str, 
         "elapsed-seconds": checkpoint.elapsed_seconds,
         "rounds": checkpoint.rounds,
         "train-metrics": checkpoint.train_metrics,
+        "trained": checkpoint.trained,
     }
     atomic_write(run_dir / CHECKPOINT_JSON, json.dumps(payload, indent=1, default=_plain))
     for old in run_dir.glob("checkpoint-r*.npz"):
@@ -137,6 +143,7 @@ def read_checkpoint(run_dir: Path, identity: dict[str, Any]) -> Checkpoint | Non
         rounds=list(payload["rounds"]),
         elapsed_seconds=float(payload["elapsed-seconds"]),
         train_metrics=payload.get("train-metrics"),
+        trained=payload.get("trained"),
     )
 
 
@@ -180,7 +187,8 @@ class RoundRecords:
         self.started = time.time()  # pause requests from before this are stale
 
     def checkpoint(self, server_round: int, phase: str, *, new_arrays: bool,
-                   train_metrics: MetricRecord | None = None) -> None:
+                   train_metrics: MetricRecord | None = None,
+                   trained: dict[str, Any] | None = None) -> None:
         if not self.config.checkpoint:
             return
         write_checkpoint(self.recorder.run_dir, Checkpoint(
@@ -189,6 +197,7 @@ class RoundRecords:
             strategy=self.strategy.state_dict(), failed_streak=self.failed_streak,
             rounds=self.recorder.rounds, elapsed_seconds=self.recorder.elapsed,
             train_metrics=dict(train_metrics) if train_metrics is not None else None,
+            trained=trained,
         ), self.identity, new_arrays=new_arrays)
 
     def on_trained(self, server_round: int, arrays: ArrayRecord,
@@ -200,7 +209,13 @@ class RoundRecords:
             # this round's record is written resumes by doing the round again.
             return
         started = time.perf_counter()
-        self.checkpoint(server_round, TRAINED, new_arrays=True, train_metrics=train_metrics)
+        traffic = self.recorder.traffic
+        trained = {"report": dataclasses.asdict(report) if dataclasses.is_dataclass(report)
+                   else None,
+                   "bytes-sent": traffic.sent if traffic else 0,
+                   "bytes-received": traffic.received if traffic else 0}
+        self.checkpoint(server_round, TRAINED, new_arrays=True, train_metrics=train_metrics,
+                        trained=trained)
         if train_metrics is not None and self.config.checkpoint:
             train_metrics[CHECKPOINT_SECONDS] = time.perf_counter() - started
 
