@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from matplotlib.collections import PathCollection
 
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.partition import dirichlet_partition
@@ -28,12 +29,14 @@ def write_run(grid_dir: Path, name: str, *, setting: str, method: str = "fedrep"
               curve: tuple[float, ...] = (), state: str = "complete",
               kind: str = "federated",
               series: dict[str, tuple[float | None, ...]] | None = None,
-              extra: dict | None = None) -> dict:
+              extra: dict | None = None,
+              segments: list[tuple[int, str | None]] | None = None) -> dict:
     """A results folder as a run leaves it; returns the cell's grid.json entry.
 
     ``state`` is ``complete`` (summary written), ``partial`` (config and metrics
     only) or ``missing`` (no folder). ``series`` adds per-round metrics (None: the
-    round did not record it); ``extra``, run-config keys.
+    round did not record it); ``extra``, run-config keys; ``segments``, the run's
+    (first round, source hash) starts as config.json records them (none: unrecorded).
     """
     rc = {"dataset": "cifar100", "model": "cnn", "method": method, "fedspc": fedspc,
           "alpha": alpha, "seed": seed, "num-rounds": len(curve), **(extra or {})}
@@ -43,6 +46,10 @@ def write_run(grid_dir: Path, name: str, *, setting: str, method: str = "fedrep"
     run_dir = grid_dir / name
     run_dir.mkdir(parents=True)
     config = {"run-config": rc, **({"mode": "centralized"} if kind == "centralized" else {})}
+    if segments:
+        config["segments"] = [{"first-round": first, "code": code and {"source-sha256": code}}
+                              for first, code in segments]
+        config["code"] = config["segments"][-1]["code"]
     (run_dir / "config.json").write_text(json.dumps(config))
     step = "epoch" if kind == "centralized" else "round"
     rows = [{step: i + 1, "accuracy": acc, "elapsed-seconds": 10.0 * (i + 1)}
@@ -150,14 +157,15 @@ def test_runs_table(grid_dir):
     table = reports.runs_table(load_records(grid_dir))
     markdown = reports.to_markdown(table).splitlines()
     assert markdown[0] == ("| Run | Status | Rounds | Final (%) | Best (%) | Best round "
-                           "| Wall time |")
-    assert "| fedrep-a0.1-s0-S1 | complete | 2 | 50.00 | 53.00 | 1 | 1:02:05 |" in markdown
-    assert "| fedrep+fedspc-a1-s0-S1 | failed | — | — | — | — | — |" in markdown
-    assert "| fedrep+fedspc-a0.1-s0-S2 | partial | 1 | 20.00 | 20.00 | 1 | 0:00:10 |" \
-        in markdown
+                           "| Wall time | Code |")
+    assert ("| fedrep-a0.1-s0-S1 | complete | 2 | 50.00 | 53.00 | 1 | 1:02:05 | unrecorded |"
+            in markdown)
+    assert "| fedrep+fedspc-a1-s0-S1 | failed | — | — | — | — | — | — |" in markdown
+    assert ("| fedrep+fedspc-a0.1-s0-S2 | partial | 1 | 20.00 | 20.00 | 1 | 0:00:10 "
+            "| unrecorded |") in markdown
     csv_lines = reports.to_csv(table).splitlines()
-    assert csv_lines[0] == "run,kind,status,rounds,final,best,best_round,wall_seconds"
-    assert "centralized-S1,centralized,complete,3,70.0,71.0,2,3725.4" in csv_lines
+    assert csv_lines[0] == "run,kind,status,rounds,final,best,best_round,wall_seconds,code"
+    assert "centralized-S1,centralized,complete,3,70.0,71.0,2,3725.4,unrecorded" in csv_lines
 
 
 def test_stat_and_delta_text():
@@ -201,7 +209,7 @@ def test_figures_and_report_files(grid_dir):
     assert report.startswith("# Results: grid\n")
     assert "| FedRep | 0.1 | 51.00 ± 1.41 | 55.50 ± 0.71 | +4.50 |" in report
     assert ("| FedRep | 0.1 | S1 | 2 | 51.00 | 55.50 | +4.50 | +4.00 | +4.50 | 2 / 0 | 2 "
-            "| +5.00 / +4.00 |") in report
+            "| +5.00 / +4.00 | unrecorded |") in report
     assert "![delta](delta.png)" in report
     assert (out / "centralized.md").read_text().splitlines()[2] == "| S1 | 70.00 | 71.00 |"
 
@@ -212,8 +220,43 @@ def test_pairs_compare_seed_mean_curves_on_complete_pairs_only(grid_dir):
     # partial one, so neither gets a row.
     table = reports.pairs_table(load_records(grid_dir))
     assert table.csv_rows == [["FedRep", "0.1", "S1", 2, 2, 51.0, 55.5, 4.5, 4.0, 4.5, 2, 0,
-                               "0 1", "5.0 4.0"]]
+                               "0 1", "5.0 4.0", "unrecorded"]]
     assert table.notes == ()
+
+
+@pytest.mark.parametrize(("segments", "code", "notes"), [
+    # Both runs of each seed by one code version (seeds may differ from each other).
+    ({"b0": [(1, "a" * 64)], "s0": [(1, "a" * 64)], "b1": [(1, "c" * 64)],
+      "s1": [(1, "c" * 64)]}, "same", ()),
+    # Seed 1's +FedSPC run was made by other code than its Base.
+    ({"b0": [(1, "a" * 64)], "s0": [(1, "a" * 64)], "b1": [(1, "a" * 64)],
+      "s1": [(1, "b" * 64)]}, "mixed",
+     (("Mixed code: FedRep, α = 0.1, S, seed 1: b1 (source aaaaaaaa) vs "
+       "s1 (source bbbbbbbb)."),)),
+    # Seed 0's Base went on under other code after a resume.
+    ({"b0": [(1, "a" * 64), (3, "b" * 64)], "s0": [(1, "a" * 64)], "b1": [(1, "a" * 64)],
+      "s1": [(1, "a" * 64)]}, "mixed",
+     ("Mixed code: b0 went on under other code from round 3.",
+      "Mixed code: FedRep, α = 0.1, S, seed 0: its runs were made by 2 code versions.")),
+    # A resume under the same code is one version; one run without a record: unknown.
+    ({"b0": [(1, "a" * 64), (3, "a" * 64)], "s0": [(1, "a" * 64)], "b1": None,
+      "s1": [(1, "a" * 64)]}, "unrecorded", ()),
+])
+def test_pairs_mark_runs_made_by_different_code(tmp_path, segments, code, notes):
+    cells = [write_run(tmp_path, name, setting="S", fedspc=name[0] == "s",
+                       seed=int(name[1]), final=0.5, curve=(0.4, 0.5), segments=segments[name])
+             for name in ("b0", "s0", "b1", "s1")]
+    records = load_records(tmp_path, cells)
+    table = reports.pairs_table(records)
+    assert table.rows[0][-1] == code and table.notes == notes
+    runs = {row[0]: row[-1] for row in reports.runs_table(records).rows}
+    if code == "mixed" and segments["b0"][1:]:
+        assert runs["b0"] == ("from round 1: source aaaaaaaa; from round 3: source "
+                              "bbbbbbbb (mixed)")
+    else:
+        assert runs["b0"] == "source aaaaaaaa"
+    assert runs["b1"] == ("unrecorded" if segments["b1"] is None else
+                          f"source {segments['b1'][0][1][:8]}")
 
 
 def test_pairs_window_ties_and_rounds_behind(tmp_path):
@@ -223,7 +266,7 @@ def test_pairs_window_ties_and_rounds_behind(tmp_path):
     table = reports.pairs_table(load_records(tmp_path, cells), window=2)
     # Round 1 ties, round 2 behind, round 3 ahead; last 2 rounds: 30 vs 25; best 40 vs 30.
     assert table.rows == [["FedRep", "0.1", "S", "3", "20.00", "40.00", "+20.00", "+5.00",
-                           "+10.00", "1 / 1", "1", "+20.00"]]
+                           "+10.00", "1 / 1", "1", "+20.00", "unrecorded"]]
     assert table.columns[7] == "Δ last 2"
     with pytest.raises(ValueError, match="window"):
         reports.pairs_table([], window=0)
@@ -248,7 +291,7 @@ def test_pairs_and_deltas_use_only_the_seeds_both_sides_ran(tmp_path):
     # Seed-mean curves: Base (35, 45), +FedSPC (35, 48): round 1 level, round 2 ahead;
     # both rounds' means 40 against 41.5.
     assert table.rows == [["FedRep", "0.1", "S", "2", "45.00", "48.00", "+3.00", "+1.50",
-                           "+3.00", "1 / 0", "2", "+10.00 / -4.00"]]
+                           "+3.00", "1 / 0", "2", "+10.00 / -4.00", "unrecorded"]]
     assert table.notes == ("Left out, no run of the other side with the same seed: b2.",)
     assert paired_delta(records, method="fedrep", alpha=0.1, setting="S") == pytest.approx(3.0)
     assert paired_delta(records, method="fedavg", alpha=0.1, setting="S") is None
@@ -368,7 +411,13 @@ def test_delta_chart_draws_only_the_alphas_that_have_a_delta(grid_dir, monkeypat
     # labelled with its value; S2 has no Δ at all, so no bars and no legend.
     assert [t.get_text() for t in s1.get_legend().get_texts()] == ["α = 0.1"]
     assert [round(p.get_height(), 2) for p in s1.patches] == [4.5]
-    assert [t.get_text() for t in s1.texts] == ["+4.50"]
+    # Its two seeds' Δ (+5, +4) as dots, their sample SD as the error bar and label.
+    dots = np.concatenate([c.get_offsets() for c in s1.collections
+                           if isinstance(c, PathCollection)])
+    assert sorted(np.round(dots[:, 1], 2)) == [4.0, 5.0]
+    assert [t.get_text() for t in s1.texts] == ["+4.50 ± 0.71 (2 seeds)"]
+    caps = [line for line in s1.lines if len(line.get_ydata()) == 1]
+    assert sorted(round(float(line.get_ydata()[0]), 2) for line in caps) == [3.79, 5.21]
     assert len(s2.patches) == 0 and s2.get_legend() is None
 
 
@@ -448,7 +497,7 @@ def test_one_label_pools_a_seed_grid_with_the_grid_it_repeats(tmp_path):
                      labels=["E1", "E1"])
     pairs = (out / "pairs.md").read_text().splitlines()[2]
     assert pairs.split(" | ")[2:7] == ["E1", "1", "45.00", "41.00", "-4.00"]
-    assert pairs.endswith("| 2 | -2.00 / -6.00 |")
+    assert pairs.endswith("| 2 | -2.00 / -6.00 | unrecorded |")
 
 
 def test_the_drift_figure_leaves_out_the_panels_a_method_did_not_record(tmp_path, monkeypatch):

@@ -27,10 +27,11 @@ from fedspc_app.experiments.records import (
     display_method,
     mean_curve,
     methods_of,
-    paired_delta,
     same_alpha,
+    seed_deltas,
     settings_of,
     split_title,
+    summarize,
     unique,
 )
 
@@ -151,8 +152,10 @@ def plot_drift(records: Sequence[ResultRecord], setting: str, alpha: float,
 
 
 def plot_deltas(records: Sequence[ResultRecord], path: str | Path) -> Path | None:
-    """Bar chart of Δ (+FedSPC − Base, points) per method and α, one panel per
-    setting; None when no Δ can be computed yet."""
+    """Δ (+FedSPC − Base, points) per method and α, one panel per setting: a bar at
+    the mean over the seeds both sides ran, each seed's Δ as a dot, and ± one sample
+    SD of the seeds' Δ as an error bar (two seeds or more); the label gives the mean,
+    the SD and the number of seeds. None when no Δ can be computed yet."""
     from matplotlib.figure import Figure
 
     federated = [r for r in records if r.kind == FEDERATED]
@@ -161,27 +164,36 @@ def plot_deltas(records: Sequence[ResultRecord], path: str | Path) -> Path | Non
                                                         for r in federated)]
     alphas = alphas_of(federated)
     values = {
-        (s, m, a): paired_delta(federated, method=m, alpha=a, setting=s)
+        (s, m, a): [d for _, d in seed_deltas(federated, method=m, alpha=a, setting=s)]
         for s in settings for m in methods for a in alphas
     }
-    if all(v is None for v in values.values()):
+    if not any(values.values()):
         return None
-    fig = Figure(figsize=(max(4.0, 1.1 * len(methods) + 1.5) * len(settings), 3.4),
+    fig = Figure(figsize=(max(4.0, 1.1 * len(methods) + 1.5) * len(settings), 3.6),
                  layout="constrained")
     # One y scale for all settings, so that their bars compare at a glance.
     axes = fig.subplots(1, len(settings), squeeze=False, sharey=True)[0]
     width = 0.8 / max(len(alphas), 1)
     for ax, setting in zip(axes, settings):
         for i, alpha in enumerate(alphas):
-            heights = [values[setting, m, alpha] for m in methods]
             xs = [j + (i - (len(alphas) - 1) / 2) * width for j in range(len(methods))]
-            shown = [(x, h) for x, h in zip(xs, heights) if h is not None]
+            shown = [(x, values[setting, m, alpha]) for x, m in zip(xs, methods)
+                     if values[setting, m, alpha]]
             if not shown:  # an α without any Δ yet gets no bars and no legend entry
                 continue
-            bars = ax.bar([x for x, _ in shown], [h for _, h in shown], width=width,
-                          label=split_title(alpha), color=f"C{i}")
-            ax.bar_label(bars, fmt="%+.2f", fontsize=7, padding=2)
-        ax.margins(y=0.12)  # room for the value labels
+            stats = [summarize(deltas) for _, deltas in shown]
+            bars = ax.bar([x for x, _ in shown], [st.mean for st in stats], width=width,
+                          label=split_title(alpha), color=f"C{i}", alpha=0.55,
+                          yerr=[st.std or 0.0 for st in stats], capsize=3,
+                          error_kw={"elinewidth": 0.9})
+            for (x, deltas) in shown:
+                offsets = [(k - (len(deltas) - 1) / 2) * width * 0.5 / max(len(deltas), 1)
+                           for k in range(len(deltas))]
+                ax.scatter([x + o for o in offsets], deltas, s=12, color="black",
+                           zorder=3)
+            ax.bar_label(bars, labels=[_delta_label(st) for st in stats], fontsize=7,
+                         padding=2)
+        ax.margins(y=0.15)  # room for the value labels
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(methods)))
         ax.set_xticklabels([display_method(m) for m in methods], rotation=30, ha="right")
@@ -190,8 +202,14 @@ def plot_deltas(records: Sequence[ResultRecord], path: str | Path) -> Path | Non
         ax.grid(axis="y", alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    fig.suptitle("FedSPC gain: +FedSPC − Base (final round)")
+    fig.suptitle("FedSPC gain: +FedSPC − Base (final round); dots: seeds, bars: ± SD")
     return save_figure(fig, Path(path))
+
+
+def _delta_label(stat) -> str:
+    """``+4.50 ± 0.71 (2 seeds)``, ``+4.50 (1 seed)``."""
+    spread = f" ± {stat.std:.2f}" if stat.std is not None else ""
+    return f"{stat.mean:+.2f}{spread} ({stat.n} seed{'s' if stat.n != 1 else ''})"
 
 
 def plot_partition_panels(records: Sequence[ResultRecord], out_dir: str | Path) -> list[Path]:

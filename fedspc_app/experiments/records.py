@@ -18,6 +18,7 @@ from typing import Any
 
 from fedspc_app.core.errors import DataError
 from fedspc_app.core.partition_files import load_partition_counts
+from fedspc_app.core.provenance import code_id
 from fedspc_app.core.results import DRIFT_COLUMNS
 from fedspc_app.experiments.layout import GRID_JSON, read_failures, read_json
 
@@ -71,6 +72,21 @@ class ResultRecord:
     series: Mapping[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     client_accuracy: Mapping[str, float] = field(default_factory=dict)
     client_train_sizes: Mapping[str, int] = field(default_factory=dict)
+    # (first round, code identity) of each segment of the run (config.json); the
+    # identity is None where the run did not record it.
+    code: tuple[tuple[int, str | None], ...] = ()
+
+    @property
+    def code_ids(self) -> set[str | None]:
+        """The code identities the run was made by ({None}: unrecorded)."""
+        return {code for _, code in self.code} or {None}
+
+    @property
+    def code_changed_at(self) -> list[int]:
+        """The rounds from which the run went on under other code than before."""
+        return [first for (_, before), (first, after) in zip(self.code, self.code[1:],
+                                                             strict=False)
+                if before != after]
 
     @property
     def complete(self) -> bool:
@@ -164,7 +180,19 @@ def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
         client_accuracy={str(k): float(v) for k, v in clients.items()
                          if isinstance(v, (int, float))},
         client_train_sizes=_train_sizes(run_dir) if kind == FEDERATED else {},
+        code=_code_segments(config),
     )
+
+
+def _code_segments(config: Mapping[str, Any]) -> tuple[tuple[int, str | None], ...]:
+    """(first round, code identity) per segment of a run's ``config.json``."""
+    if not config:
+        return ()
+    segments = config.get("segments")
+    if not isinstance(segments, list) or not segments:
+        return ((1, code_id(config.get("code"))),)
+    return tuple((int(s.get("first-round") or 1), code_id(s.get("code")))
+                 for s in segments if isinstance(s, Mapping))
 
 
 def _train_sizes(run_dir: Path) -> dict[str, int]:
@@ -240,6 +268,18 @@ def paired_delta(records: Iterable[ResultRecord], *, method: str, alpha: float |
     base, spc = (cell_runs(records, method=method, fedspc=fedspc, alpha=alpha,
                            setting=setting, metric=metric) for fedspc in (False, True))
     return delta_over_shared_seeds(base, spc, metric=metric)
+
+
+def seed_deltas(records: Iterable[ResultRecord], *, method: str, alpha: float | None,
+                setting: str, metric: str = "final") -> list[tuple[int, float]]:
+    """(seed, Δ) for each seed with a complete Base and +FedSPC run of the cell, where
+    Δ is that seed's +FedSPC accuracy minus its Base accuracy (points)."""
+    records = list(records)
+    base, spc = ({r.seed: _accuracy(r, metric)
+                  for r in cell_runs(records, method=method, fedspc=fedspc, alpha=alpha,
+                                     setting=setting, metric=metric)}
+                 for fedspc in (False, True))
+    return [(seed, spc[seed] - base[seed]) for seed in sorted(set(base) & set(spc))]
 
 
 def delta_over_shared_seeds(base: Sequence[ResultRecord], spc: Sequence[ResultRecord], *,

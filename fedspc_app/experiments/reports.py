@@ -168,7 +168,7 @@ def pairs_table(records: Sequence[ResultRecord], *, window: int = 5) -> Table:
     """
     if window < 1:
         raise ValueError(f"window must be at least 1, got {window}")
-    rows, csv_rows = [], []
+    rows, csv_rows, notes = [], [], []
     pairs = _pairs(records)
     for pair in pairs:
         base, spc = _curve(pair.base), _curve(pair.spc)
@@ -184,23 +184,25 @@ def pairs_table(records: Sequence[ResultRecord], *, window: int = 5) -> Table:
         ahead = sum(spc[s] > base[s] for s in common)
         behind = sum(spc[s] < base[s] for s in common)
         by_seed = [_seed_delta(pair.base, pair.spc, seed, last) for seed in pair.seeds]
+        code, code_notes = pair_code(pair)
         rows.append([*pair.key, str(last), f"{base[last]:.2f}", f"{spc[last]:.2f}",
                      delta_text(final), delta_text(tail_delta), delta_text(best),
                      f"{ahead} / {behind}", str(len(pair.seeds)),
-                     " / ".join(delta_text(d) for d in by_seed)])
+                     " / ".join(delta_text(d) for d in by_seed), code])
         csv_rows.append([*pair.key, last, len(tail), _num(base[last]), _num(spc[last]),
                          _num(final), _num(tail_delta), _num(best), ahead, behind,
                          " ".join(str(seed) for seed in pair.seeds),
-                         " ".join(str(_num(d)) for d in by_seed)])
-    notes = _unpaired_note(pairs)
+                         " ".join(str(_num(d)) for d in by_seed), code])
+        notes.extend(code_notes)
+    notes = (*_unpaired_note(pairs), *notes)
     return Table(
         columns=["Method", "α", "Setting", "Round", "Base", "+FedSPC", "Δ final",
                  f"Δ last {window}", "Δ best", "Rounds ahead / behind", "Seeds",
-                 "Δ final by seed"],
-        rows=rows, numeric=(False, False, False, *[True] * 9),
+                 "Δ final by seed", "Code"],
+        rows=rows, numeric=(False, False, False, *[True] * 9, False),
         csv_columns=["method", "alpha", "setting", "round", "window", "base", "fedspc",
                      "delta_final", "delta_window", "delta_best", "rounds_ahead",
-                     "rounds_behind", "seeds", "delta_final_by_seed"],
+                     "rounds_behind", "seeds", "delta_final_by_seed", "code"],
         csv_rows=csv_rows, notes=notes)
 
 
@@ -235,6 +237,43 @@ def _pairs(records: Sequence[ResultRecord]) -> list[_Pair]:
                     (display_method(method), alpha_text(alpha), setting), seeds, base, spc,
                     [r.name for side in sides for r in side if r.seed not in seeds]))
     return pairs
+
+
+SAME_CODE, MIXED_CODE, UNRECORDED_CODE = "same", "mixed", "unrecorded"
+
+
+def pair_code(pair: _Pair) -> tuple[str, list[str]]:
+    """Whether each seed's Base and +FedSPC runs were made by one code version:
+    ``mixed`` when two runs of a seed differ, or a run changed code mid-run;
+    ``unrecorded`` when a run did not record its code (and none is known to differ);
+    ``same`` otherwise. The notes name each mixed run or seed."""
+    notes: list[str] = []
+    unrecorded = False
+    label = f"{pair.key[0]}, α = {pair.key[1]}, {pair.key[2]}"
+    for seed in pair.seeds:
+        runs = [r for r in (*pair.base, *pair.spc) if r.seed == seed]
+        for run in runs:
+            if run.code_changed_at:
+                rounds = ", ".join(str(first) for first in run.code_changed_at)
+                notes.append(f"Mixed code: {run.name} went on under other code from "
+                             f"round {rounds}.")
+        ids = set().union(*(run.code_ids for run in runs))
+        unrecorded = unrecorded or None in ids
+        recorded = {code for code in ids if code is not None}
+        if len(recorded) > 1 and not any(run.code_changed_at for run in runs):
+            notes.append(f"Mixed code: {label}, seed {seed}: "
+                         + " vs ".join(f"{run.name} ({_codes(run)})" for run in runs) + ".")
+        elif len(recorded) > 1:
+            notes.append(f"Mixed code: {label}, seed {seed}: its runs were made by "
+                         f"{len(recorded)} code versions.")
+    if notes:
+        return MIXED_CODE, notes
+    return (UNRECORDED_CODE if unrecorded else SAME_CODE), notes
+
+
+def _codes(run: ResultRecord) -> str:
+    return ", ".join("unrecorded" if code is None else f"source {code[:8]}"
+                     for code in dict.fromkeys(code for _, code in run.code))
 
 
 def _unpaired_note(pairs: Sequence[_Pair]) -> tuple[str, ...]:
@@ -469,20 +508,33 @@ def runs_table(records: Sequence[ResultRecord]) -> Table:
         final = MISSING if r.final_accuracy is None else f"{100 * r.final_accuracy:.2f}"
         best = MISSING if r.best_accuracy is None else f"{100 * r.best_accuracy:.2f}"
         wall = MISSING if r.wall_seconds is None else format_duration(r.wall_seconds)
+        code = _run_code(r)
         rows.append([r.name, r.status, MISSING if r.rounds is None else str(r.rounds),
                      final, best, MISSING if r.best_round is None else str(r.best_round),
-                     wall])
+                     wall, code])
         csv_rows.append([r.name, r.kind, r.status, "" if r.rounds is None else r.rounds,
                          _num(None if r.final_accuracy is None else 100 * r.final_accuracy),
                          _num(None if r.best_accuracy is None else 100 * r.best_accuracy),
                          "" if r.best_round is None else r.best_round,
-                         _num(r.wall_seconds)])
+                         _num(r.wall_seconds), code])
     return Table(columns=["Run", "Status", "Rounds", "Final (%)", "Best (%)", "Best round",
-                          "Wall time"], rows=rows,
-                 numeric=(False, False, True, True, True, True, True),
+                          "Wall time", "Code"], rows=rows,
+                 numeric=(False, False, True, True, True, True, True, False),
                  csv_columns=["run", "kind", "status", "rounds", "final", "best",
-                              "best_round", "wall_seconds"],
+                              "best_round", "wall_seconds", "code"],
                  csv_rows=csv_rows)
+
+
+def _run_code(record: ResultRecord) -> str:
+    """``source 1a2b3c4d``, ``unrecorded``, or each segment's code and its first round
+    when the run changed code mid-run."""
+    if not record.code:
+        return MISSING
+    if not record.code_changed_at:
+        return _codes(record)
+    return "; ".join(f"from round {first}: "
+                     + ("unrecorded" if code is None else f"source {code[:8]}")
+                     for first, code in record.code) + " (mixed)"
 
 
 def to_markdown(table: Table) -> str:
