@@ -20,7 +20,18 @@ by the claim it supports, so the text can be held against it:
   recorded, the accuracy before aggregation (the local fit) and the averaging gain;
 * the 50-round and Ditto-global details, SCAFFOLD against FedAvg, and how well a
   run repeats under the same seed;
-* the predictions of PREDICTIONS.md (P1-P8), each scored hit / miss by the rule
+* the ResNet pairs per seed and window: Δ, the local cost against the averaging's
+  extra (their sum is the window's Δ: an accounting, not a cause), the cut in the
+  shared block's dispersion, the rounds with the higher train loss;
+* LG-FedAvg at E = 5: its four runs, each seed's windows, peak and last rounds, and
+  the count of cells behind the caveats of its p;
+* FedRep on the CNN in every committed setting, with its seeds and the 2-point rule;
+* which build of the app made each run, from the app hashes in the grids' logs
+  (config.json of these runs records no code version): pairs made by two builds,
+  runs that changed build mid-run, every run started more than once;
+* round records left incomplete (a round resumed between training and evaluation);
+* the wall times of the READMEs' tables against summary.json;
+* the predictions of PREDICTIONS.md (P1-P11), each scored hit / miss by the rule
   written there, from the runs committed so far (a cell not yet run says so).
 
 A pair is a Base run folder and its +FedSPC twin: ``fedrep`` / ``fedrep+fedspc``,
@@ -31,6 +42,7 @@ run).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -225,6 +237,10 @@ def main():
             tot = [t + x for t, x in zip(tot, (h, lo, n))]
     n20 = sum(p.method != "ditto" and p.last == 20 for p in pairs)
     print(f"non-Ditto 20-round pairs ({n20}): higher in {tot[0]} of {tot[2]} rounds, lower in {tot[1]}")
+    before = [p.loss_higher() for p in pairs if p.method != "ditto" and p.last == 20
+              and (p.method, p.setting, p.seed) != ("lgfedavg", "E5", 2)]
+    print(f"the same without LG-FedAvg E5 s2 (the {len(before)} pairs PREDICTIONS.md's R3 counts):"
+          f" higher in {sum(h for h, _, _ in before)} of {sum(n for _, _, n in before)}")
     lg5 = find(pairs, "lgfedavg", "E5")
     print(f"LG-FedAvg E5 s0 train loss round 5: {lg5.spc['loss'][5]:.3f} vs {lg5.base['loss'][5]:.3f};"
           f" round 20: {lg5.spc['loss'][20]:.3f} vs {lg5.base['loss'][20]:.3f}")
@@ -337,6 +353,11 @@ def main():
     matched_accuracy()
     e5_rerun()
     depth_seeds()
+    e5_lgfedavg(pairs)
+    fedrep_cnn()
+    builds(pairs)
+    records()
+    wall_times()
     predictions()
 
 
@@ -383,6 +404,156 @@ def e5_rerun():
               f" Base drift rounds {len(p.base['disp'])}, +FedSPC drift rounds {len(p.spc['disp'])}")
 
 
+
+# ------------------------------------------------------------ which build made a run
+# config.json of the runs committed here records no code version. What the logs hold:
+# each start of a run ("=== <run> | <time> ..."), the SuperLink it used, and, the first
+# time a build of the app is installed into that invocation's Flower home, the line
+# "Successfully installed fedspc to .../apps/fedspc.fedspc.<version>.<hash>" (the first
+# 8 hex digits of the SHA-256 of the FAB, which holds the Python files of fedspc_app,
+# strategies and clients). A start without that line ran a build already installed in
+# the same home: one that an earlier start on the same SuperLink printed.
+_SEGMENT = re.compile(r"^=== (\S+) \| (\S+) ")
+_PORT = re.compile(r"Using SuperLink: \S+ \((\S+)\)")
+_APP = re.compile(r"/apps/fedspc\.fedspc\.[\d.]+\.([0-9a-f]+)")
+_RESUMED = re.compile(r"\(resumed after round (\d+)\)")
+
+
+def log_segments() -> dict:
+    """{(grid, run): [segment, ...]}: each start that counts (a fresh start drops an
+    earlier try), with its build ("app") and the round it resumed after."""
+    segments = []
+    for log in sorted(RESULTS.glob("*/logs/*.log")):
+        if log.name == "superlink.log":
+            continue
+        current = None
+        for line in log.read_text(errors="replace").splitlines():
+            m = _SEGMENT.match(line)
+            if m:
+                current = {"grid": log.parent.parent.name, "run": log.stem, "start": m.group(2),
+                           "port": None, "printed": None, "resumed": 0}
+                segments.append(current)
+                continue
+            if current is None:
+                continue
+            for rx, key, conv in ((_PORT, "port", str), (_APP, "printed", str), (_RESUMED, "resumed", int)):
+                m = rx.search(line)
+                if m:
+                    current[key] = conv(m.group(1))
+    installed: dict = {}
+    runs: dict = {}
+    for seg in sorted(segments, key=lambda x: x["start"]):
+        if seg["printed"]:
+            seg["app"] = seg["printed"]
+        else:
+            known = sorted(installed.get(seg["port"], ()))
+            seg["app"] = known[0] if len(known) == 1 else "one of " + "/".join(known) if known else "?"
+        if seg["printed"]:
+            installed.setdefault(seg["port"], set()).add(seg["printed"])
+        key = (seg["grid"], seg["run"])
+        if not seg["resumed"]:
+            runs[key] = []
+        runs.setdefault(key, []).append(seg)
+    return runs
+
+
+def _builds(segs) -> str:
+    return ", ".join(f"rounds {s['resumed'] + 1}-: {s['app']}" if len(segs) > 1 else s["app"]
+                     for s in segs)
+
+
+def builds(pairs):
+    """Per pair: the build of each run (from the logs), and whether the pair is one build."""
+    header("Which build made each run (app hashes in the grids' logs; config.json records none)")
+    runs = log_segments()
+    specs = [(p.name(), (spec[2], spec[3]), (spec[6] if len(spec) > 6 and spec[6] else spec[2],
+                                             spec[4] if len(spec) > 4 and spec[4] else twin(spec[3])))
+             for p, spec in zip(pairs, PAIRS)]
+    specs.insert(10, ("fedrep E5 s0 (first Base)", ("cpu-cifar100-cnn-e5", "fedrep"),
+                      ("cpu-cifar100-cnn-e5", "fedrep+fedspc")))
+    specs += [(f"{m} R34 s{s}", (DEPTH, f"{m}-s{s}"), (DEPTH, f"{m}+fedspc-s{s}"))
+              for m in ("fedrep", "lgfedavg") for s in (0, 1, 2)]
+    specs += [(f"fedrep R18 s{s}", ("cpu-cifar100-resnet18-depth", f"fedrep-s{s}"),
+               ("cpu-cifar100-resnet18-depth", f"fedrep+fedspc-s{s}")) for s in (0, 1, 2)]
+    specs += [(f"scaffold α {a}", ("cpu-cifar100-cnn-fl", f"fedavg-a{a}"),
+               ("cpu-cifar100-cnn-fl", f"scaffold-a{a}")) for a in ("0.01", "0.1", "1")]
+    specs += [(f"{m} grid α {a}", ("cpu-cifar100-cnn", f"{m}-a{a}"), ("cpu-cifar100-cnn", f"{m}+fedspc-a{a}"))
+              for a in ("0.01", "0.1", "1") for m in ("fedper", "fedrep", "fedbabu", "lgfedavg", "ditto")]
+    specs += [(f"{m} bf16", ("cpu-cifar100-cnn-bf16", m), ("cpu-cifar100-cnn-bf16", m + "+fedspc"))
+              for m in ("fedrep", "lgfedavg")]
+    specs += [(f"fedrep references {s}", ("cpu-cifar100-cnn-references", f"fedrep-{s}"),
+               ("cpu-cifar100-cnn-references", f"fedrep+fedspc-{s}")) for s in ("a0.1", "c5")]
+    counts = {"one build": 0, "two builds": 0, "not known": 0}
+    for name, base, spc in specs:
+        b, c = runs.get(base), runs.get(spc)
+        if b is None or c is None:
+            print(f"{name:28s} {'/'.join(base)}: {'no log' if b is None else _builds(b)};"
+                  f" {'/'.join(spc)}: {'not run' if c is None else _builds(c)}")
+            continue
+        apps = [s["app"] for s in b + c]
+        mid = [r for r in (b, c) if len({s["app"] for s in r}) > 1]
+        verdict = ("not known" if any(a.startswith(("one of", "?")) for a in apps)
+                   else "one build" if len(set(apps)) == 1 else "two builds")
+        counts[verdict] += 1
+        note = "; changed build mid-run: " + ", ".join(r[0]["run"] for r in mid) if mid else ""
+        print(f"{name:28s} Base {_builds(b)}; +FedSPC {_builds(c)} -> {verdict}{note}")
+    print(f"pairs: {counts['one build']} one build, {counts['two builds']} two builds,"
+          f" {counts['not known']} not known from the logs")
+    print("runs started more than once (segments: first round, build; config.json's resumed-after-round):")
+    for (grid, run), segs in sorted(runs.items()):
+        if len(segs) > 1:
+            config = json.loads((RESULTS / grid / run / "config.json").read_text())
+            print(f"  {grid}/{run}: " + ", ".join(f"from round {s['resumed'] + 1} ({s['start'][:16]}) {s['app']}"
+                                                   for s in segs)
+                  + f"; resumed-after-round {config.get('resumed-after-round')}")
+
+
+def records():
+    """Rounds whose record is incomplete: no failed / dropped fields, or next to no
+    bytes received (a round resumed between its training and its evaluation)."""
+    header("Incomplete round records (no failed/dropped fields, or under a tenth of the usual bytes received)")
+    found = 0
+    for path in sorted(RESULTS.glob("*/*/metrics.json")):
+        rounds = json.loads(path.read_text()).get("rounds", [])
+        if not any("failed" in r for r in rounds):
+            continue
+        received = sorted(r.get("bytes-received", 0) for r in rounds)
+        usual = received[len(received) // 2]
+        for r in rounds:
+            if "failed" not in r or r.get("bytes-received", 0) < usual / 10:
+                found += 1
+                print(f"{path.parent.parent.name}/{path.parent.name} round {r['round']}: bytes received"
+                      f" {r.get('bytes-received'):,} (usual {usual:,}), sent {r.get('bytes-sent'):,},"
+                      f" round-seconds {r.get('round-seconds')}, train-seconds {r.get('train-seconds')},"
+                      f" images/s {r.get('images-per-second')}, failed {r.get('failed', 'blank')},"
+                      f" train-dropped {r.get('train-dropped', 'blank')},"
+                      f" evaluate-dropped {r.get('evaluate-dropped', 'blank')}")
+    print(f"{found} such round(s) in the committed runs")
+
+
+def wall_times():
+    """The wall times in the grids' README tables against summary.json's wall-seconds."""
+    header("Wall times in the README tables against summary.json (differences over 1 s)")
+    checked, off = 0, 0
+    for readme in sorted(RESULTS.glob("*/README.md")):
+        for number, line in enumerate(readme.read_text().splitlines(), 1):
+            link = re.search(r"\[run\]\(([^)]+)\)", line)
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if not link or not re.fullmatch(r"(\d+:)?\d+:\d\d", cells[-1]):
+                continue
+            run = (readme.parent / link.group(1)).resolve()
+            quoted = sum(int(x) * 60 ** i for i, x in enumerate(reversed(cells[-1].split(":"))))
+            recorded = json.loads((run / "summary.json").read_text())["wall-seconds"]
+            checked += 1
+            if abs(quoted - recorded) > 1:
+                off += 1
+                w = int(round(recorded))
+                hms = f"{w // 3600}:{w % 3600 // 60:02d}:{w % 60:02d}" if w >= 3600 else f"{w // 60}:{w % 60:02d}"
+                print(f"{readme.parent.name}/README.md line {number}: {run.parent.name}/{run.name}"
+                      f" quoted {cells[-1]}, recorded {hms}")
+    print(f"{checked} wall times checked, {off} differ by more than 1 s")
+
+
 def t_two_sided(values) -> tuple[float, float | None]:
     """One-sample t statistic of ``values`` against 0 and its two-sided p. The p is
     given for three values only (2 degrees of freedom, where Student's CDF is
@@ -410,6 +581,91 @@ def depth_seeds():
                   f" {ahead[0]} / {ahead[1]}, 2-10 {f(wmean(curve, 2, 10))}, 11-20"
                   f" {f(wmean(curve, 11, 20))}; rounds 16-20 per seed {late};"
                   f" clients {clients[0]} / {clients[1]}")
+            for p in pairs:
+                depth_pair(model, p)
+
+
+def depth_pair(model: str, p: Pair):
+    """One ResNet pair by window: Δ, the local cost against the averaging's extra
+    (Δ of a window = local fit Δ + extra, an accounting identity, not a cause), the
+    cut in the shared block's dispersion, and the train-loss count."""
+    d = p.diff()
+    lo_r, hi_r = min(d, key=d.get), max(d, key=d.get)
+    print(f"  {model} {p.method} s{p.seed}: Δ round 2 {f(d[2])}, largest {f(d[hi_r])} (round {hi_r}),"
+          f" lowest {f(d[lo_r])} (round {lo_r}), max |Δ| {max(abs(v) for v in d.values()):.2f};"
+          f" rounds within 1 point of Base: {sum(abs(v) <= 1 for v in d.values())} of {len(d)}")
+    for lo, hi in windows(p.last):
+        cost = -wmean(p.diff("before"), lo, hi)
+        gb = wmean({r: p.base["acc"][r] - v for r, v in p.base["before"].items()}, lo, hi)
+        gs = wmean({r: p.spc["acc"][r] - v for r, v in p.spc["before"].items()}, lo, hi)
+        extra = gs - gb
+        db, ds = wmean(p.base["disp"], lo, hi), wmean(p.spc["disp"], lo, hi)
+        print(f"    rounds {lo}-{hi}: Δ {f(wmean(d, lo, hi))}; local cost {cost:.2f} vs averaging"
+              f" extra {extra:.2f} -> extra {'larger' if extra > cost else 'smaller'} by"
+              f" {abs(extra - cost):.2f}; dispersion {db:.2f} -> {ds:.2f}, cut {db / ds:.1f}x;"
+              f" cosine {wmean(p.base['cos'], lo, hi):.2f} -> {wmean(p.spc['cos'], lo, hi):.2f}")
+    h, lo_n, n = p.loss_higher()
+    print(f"    train loss higher with FedSPC in {h} of the {n} rounds after the first (lower in {lo_n})")
+
+
+def e5_lgfedavg(pairs):
+    """LG-FedAvg at E = 5: every run, the seeds' windows, peaks and last rounds, and
+    what the p of the three seeds rests on."""
+    header("LG-FedAvg at E = 5: the four runs, the three seeds by window, and the p's caveats")
+    runs = [p for p in pairs if p.method == "lgfedavg" and p.setting.startswith("E5")]
+    print(f"E = 5 LG-FedAvg runs ({len(runs)}): "
+          + ", ".join(f"{p.setting} s{p.seed} {f(p.final())}" for p in runs)
+          + f"; ahead at round 20 in {sum(p.final() > 0 for p in runs)} of {len(runs)}")
+    group = [p for p in runs if p.setting == "E5"]
+    for p in group:
+        d = p.diff()
+        peak = max(d, key=d.get)
+        w = [wmean(d, lo, hi) for lo, hi in windows(20)]
+        print(f"  s{p.seed}: 2-10 {f(w[0])} -> 11-20 {f(w[1])} ({'up' if w[1] > w[0] else 'down'});"
+              f" largest {f(d[peak])} (round {peak}); rounds 16-20 {f(wmean(d, 16, 20))};"
+              f" round 20 {f(d[20])}")
+    curve = {r: np.mean([p.diff()[r] for p in group]) for r in group[0].rounds}
+    print(f"  seed mean: 2-10 {f(wmean(curve, 2, 10))} -> 11-20 {f(wmean(curve, 11, 20))};"
+          f" rounds 16-20 {f(wmean(curve, 16, 20))}; round 20 {f(curve[20])}")
+    cells = {(p.method, p.setting) for p in pairs if p.setting not in ("ditto-global",)}
+    cells |= {(p.method, "ditto-global") for p in pairs if p.setting == "ditto-global"}
+    cells |= {(m, "R34") for m in ("fedrep", "lgfedavg")}
+    print(f"  cells (method x setting) the study has measured: {len(cells)}"
+          f" ({len(cells) - 2} on the CNN, 2 on the ResNet-34); this one was followed up"
+          f" after seed 0; seeds 0 and 1 came before the reading R2, seed 2 after it (P1);"
+          f" the 30 clients are 3 runs' clients, not 30 independent draws")
+
+
+def fedrep_cnn():
+    """FedRep + FedSPC against FedRep on the CNN in every setting committed: is it
+    behind in each, and on how many seeds, against the texts' 2-point rule?"""
+    header("FedRep on the CNN, every setting committed: Δ at the last round, seeds, the 2-point rule")
+    rows = [("starting point, E = 1, α = 0.1", [("cpu-cifar100-cnn-mismatch", "fedrep"),
+                                                ("cpu-cifar100-cnn-seeds", "fedrep-s1"),
+                                                ("cpu-cifar100-cnn-seeds", "fedrep-s2")]),
+            ("Table 3 grid, α = 0.01", [("cpu-cifar100-cnn", "fedrep-a0.01")]),
+            ("Table 3 grid, α = 0.1", [("cpu-cifar100-cnn", "fedrep-a0.1")]),
+            ("Table 3 grid, α = 1", [("cpu-cifar100-cnn", "fedrep-a1")]),
+            ("E = 5 (Base rerun)", [("cpu-cifar100-cnn-e5-fedrep-base", "fedrep", "fedrep+fedspc",
+                                     None, "cpu-cifar100-cnn-e5")]),
+            ("BatchNorm", [("cpu-cifar100-cnn-bn", "fedrep")]),
+            ("50 rounds", [("cpu-cifar100-cnn-long", "fedrep")]),
+            ("bf16 + channels-last", [("cpu-cifar100-cnn-bf16", "fedrep")]),
+            ("5 classes per client, bf16", [("cpu-cifar100-cnn-references", "fedrep-c5")])]
+    for name, specs in rows:
+        ps = [Pair("cnn", 0, spec[0], *spec[1:]) for spec in specs]
+        ds = [p.final() for p in ps]
+        seeds = "three seeds" if len(ds) == 3 else "one seed"
+        rule = "" if len(ds) > 1 else (" (under the 2-point rule)" if abs(ds[0]) < 2 else " (2 points or more)")
+        print(f"{name:32s} {', '.join(f(d) for d in ds)} at round {ps[0].last}; {seeds}{rule}")
+    first = [json.loads((RESULTS / "fedrep-cifar100-cnn-cpu" / run / "summary.json").read_text())
+             for run in ("fedrep", "fedrep+fedspc")]
+    d30 = 100 * (first[1]["final-accuracy"] - first[0]["final-accuracy"])
+    print(f"{'30 rounds (the first pair)':32s} {f(d30)} at round {first[0]['final-round']}; one seed"
+          f" ({'under the 2-point rule' if abs(d30) < 2 else '2 points or more'}; metrics.csv only)")
+    loc = Pair("ref", 0, "cpu-cifar100-cnn-references", "fedrep-a0.1", "local-a0.1")
+    print(f"local against FedRep, α = 0.1 (bf16, one seed): {loc.spc['acc'][20]:.2f} vs"
+          f" {loc.base['acc'][20]:.2f} ({f(loc.final())}), ahead in {loc.ahead_behind()[0]} of 20 rounds")
 
 
 # The cells of PREDICTIONS.md: (id, grid, Base, +FedSPC, grid of the +FedSPC run).
@@ -422,6 +678,9 @@ CELLS = {
     "P5": [("cpu-cifar100-resnet34-long", "fedrep-s0", None, None)],
     "P6": [("cpu-cifar100-resnet34-e5", "fedrep-s0", None, None)],
     "P8": [("cpu-cifar100-resnet18-depth", f"fedrep-s{s}", None, None) for s in (0, 1, 2)],
+    "P9": [("cpu-cifar100-resnet34-e5", f"fedrep-s{s}", None, None) for s in (1, 2)],
+    "P10": [("cpu-cifar100-resnet34-e5", f"lgfedavg-s{s}", None, None) for s in (0, 1, 2)],
+    "P11": [("cpu-cifar100-resnet34-long", f"fedrep-s{s}", None, None) for s in (1, 2)],
 }
 
 
@@ -435,7 +694,8 @@ def cell_pairs(specs):
             seed = int(base.rpartition("-s")[2]) if "-s" in base else 0
             done.append(Pair("cell", seed, grid, base, spc, spc_grid=spc_grid))
         else:
-            missing.append(f"{grid}/{base} ± FedSPC")
+            state = ["committed" if _complete(path) else "not run" for path in paths]
+            missing.append(f"{grid}/{base} {state[0]}, {spc} {state[1]}")
     return done, missing
 
 
@@ -467,12 +727,20 @@ def predictions():
         "P6": ("negative, not smaller in size than at E = 1 (same seed)", {}),
         "P8": ("no effect: within ±0.5 at every seed",
                {"size": lambda ds: all(abs(d) <= 0.5 for d in ds)}),
+        "P9": ("negative, and at or below the same seed's E = 1 Δ (P6's rule at each seed)", {}),
+        "P10": ("positive at every seed, +0.5 to +3, seed mean above the E = 1 mean",
+                {"sign": lambda ds: all(d > 0 for d in ds),
+                 "size": lambda ds: all(0.5 <= d <= 3 for d in ds),
+                 "mean": lambda ds: len(ds) < 3 or np.mean(ds) > np.mean(
+                     [q.final() for q in cell_pairs(CELLS["P4"])[0]])}),
+        "P11": ("no effect: within ±0.5 at round 50 at each seed",
+                {"size": lambda ds: all(abs(d) <= 0.5 for d in ds)}),
     }
     for pid, specs in CELLS.items():
         pairs, missing = cell_pairs(specs)
         text, tests = rules[pid]
         if not pairs:
-            print(f"{pid}: predicted {text}; not run yet ({', '.join(missing)})")
+            print(f"{pid}: predicted {text}; no pair complete yet ({', '.join(missing)})")
             continue
         ds = [p.final() for p in pairs]
         sd = f", SD {np.std(ds, ddof=1):.2f}" if len(ds) > 1 else " (one seed)"
@@ -480,10 +748,12 @@ def predictions():
                              f" ({'/'.join(map(str, p.ahead_behind()))} rounds ahead/behind)"
                              for p in pairs)
         verdicts = {name: test(ds) for name, test in tests.items()}
-        if pid == "P6":
-            e1 = [q for q in cell_pairs(CELLS["P3"])[0] if q.seed == pairs[0].seed]
-            verdicts = {"sign": ds[0] < 0, "size": bool(e1) and ds[0] <= e1[0].final()}
-            measured += f"; E = 1 at the same seed: {f(e1[0].final()) if e1 else 'not run'}"
+        if pid in ("P6", "P9"):
+            e1 = {q.seed: q.final() for q in cell_pairs(CELLS["P3"])[0]}
+            verdicts = {"sign": all(d < 0 for d in ds),
+                        "size": all(q.seed in e1 and q.final() <= e1[q.seed] for q in pairs)}
+            measured += "; E = 1 at the same seed: " + ", ".join(
+                f"s{q.seed} {f(e1[q.seed]) if q.seed in e1 else 'not run'}" for q in pairs)
         status = "partial (" + ", ".join(missing) + " still to run); " if missing else ""
         scored = ", ".join(f"{name} {_verdict(ok)}" for name, ok in verdicts.items())
         print(f"{pid}: predicted {text}. {status}measured {measured}; mean {f(float(np.mean(ds)))}{sd}"
