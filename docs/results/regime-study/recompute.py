@@ -335,6 +335,7 @@ def main():
     print(f"+FedSPC below its base in {below} of 15 pairs")
 
     header("Same seed run twice: max |difference| of personalized accuracy over the shared rounds")
+    segments = log_segments()
     for a, b, n in [(("cpu-cifar100-cnn-long", "lgfedavg"), ("cpu-cifar100-cnn-mismatch", "lgfedavg"), 20),
                     (("cpu-cifar100-cnn-long", "lgfedavg+fedspc"), ("cpu-cifar100-cnn-mismatch", "lgfedavg+fedspc"), 20),
                     (("cpu-cifar100-cnn-long", "fedrep"), ("cpu-cifar100-cnn-mismatch", "fedrep"), 20),
@@ -348,7 +349,9 @@ def main():
                     (("cpu-cifar100-cnn-long", "ditto"), ("cpu-cifar100-cnn-ditto-global", "ditto"), 15),
                     (("cpu-cifar100-cnn-long", "ditto+fedspc"), ("cpu-cifar100-cnn-ditto-global", "ditto+fedspc"), 15)]:
         x, y = load(*a)["acc"], load(*b)["acc"]
-        print(f"{a[0]}/{a[1]} vs {b[0]}/{b[1]}, rounds 1-{n}: {max(abs(x[r] - y[r]) for r in range(1, n + 1)):.4f}")
+        built = " vs ".join(_builds(segments[run]) if run in segments else "no log" for run in (a, b))
+        print(f"{a[0]}/{a[1]} vs {b[0]}/{b[1]}, rounds 1-{n}: {max(abs(x[r] - y[r]) for r in range(1, n + 1)):.4f}"
+              f" (builds {built})")
 
     matched_accuracy()
     e5_rerun()
@@ -484,7 +487,11 @@ def builds(pairs):
     specs += [(f"fedrep references {s}", ("cpu-cifar100-cnn-references", f"fedrep-{s}"),
                ("cpu-cifar100-cnn-references", f"fedrep+fedspc-{s}")) for s in ("a0.1", "c5")]
     counts = {"one build": 0, "two builds": 0, "not known": 0}
+    seen = set()
     for name, base, spc in specs:
+        if (base, spc) in seen:  # the same two runs under another name
+            continue
+        seen.add((base, spc))
         b, c = runs.get(base), runs.get(spc)
         if b is None or c is None:
             print(f"{name:28s} {'/'.join(base)}: {'no log' if b is None else _builds(b)};"
@@ -497,7 +504,7 @@ def builds(pairs):
         counts[verdict] += 1
         note = "; changed build mid-run: " + ", ".join(r[0]["run"] for r in mid) if mid else ""
         print(f"{name:28s} Base {_builds(b)}; +FedSPC {_builds(c)} -> {verdict}{note}")
-    print(f"pairs: {counts['one build']} one build, {counts['two builds']} two builds,"
+    print(f"distinct pairs: {counts['one build']} one build, {counts['two builds']} two builds,"
           f" {counts['not known']} not known from the logs")
     print("runs started more than once (segments: first round, build; config.json's resumed-after-round):")
     for (grid, run), segs in sorted(runs.items()):
