@@ -3,8 +3,8 @@
 :func:`train_client` executes a :class:`~fedspc_app.core.methods.Method` description:
 it assembles the model from the received shared parameters and the client's own
 personalized ones, runs each phase with the one training loop, adding a
-:class:`~fedspc_app.core.training.ProximalTerm` where the phase asks for one and a
-:class:`~fedspc_app.core.training.DriftCorrection` on the shared block when the control
+:class:`~fedspc_app.training.loop.ProximalTerm` where the phase asks for one and a
+:class:`~fedspc_app.training.loop.DriftCorrection` on the shared block when the control
 variates are on (FedSPC, SCAFFOLD), then computes the new local reference
 (Algorithm 1, step 3). Nothing here touches Flower messages or ``context.state``.
 """
@@ -34,15 +34,11 @@ from fedspc_app.core.protocol import (
     SHARED_STEPS,
     TRAIN_LOSS,
 )
-from fedspc_app.core.split import ParameterSplit
-from fedspc_app.core.task import (
-    ArrayDict,
-    ClientData,
-    load_arrays,
-    seeded_generator,
-    state_arrays,
-)
-from fedspc_app.core.training import (
+from fedspc_app.core.records import ArrayDict
+from fedspc_app.models.run_model import load_arrays, state_arrays
+from fedspc_app.models.split import ParameterSplit
+from fedspc_app.training.client_data import ClientData, seeded_generator
+from fedspc_app.training.loop import (
     DriftCorrection,
     LossFn,
     ProximalTerm,

@@ -37,7 +37,6 @@ from deploy.processes import (
 )
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.errors import FedSPCError
-from fedspc_app.core.pause import RunPaused
 from fedspc_app.launch.cli import (
     BAD_INPUT,
     FAILED,
@@ -61,6 +60,7 @@ from fedspc_app.launch.runconfig import (
     run_config_file,
 )
 from fedspc_app.launch.superlink import run_simulation, simulation, submit_and_check
+from fedspc_app.runs.pause import RunPaused
 
 CONNECTION = "fedspc-loopback"
 CONNECTED = "SuperNode ID:"  # what a SuperNode logs once the SuperLink accepted it

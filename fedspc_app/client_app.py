@@ -26,7 +26,6 @@ from fedspc_app.core import startup
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.methods import Method, get_method
-from fedspc_app.core.precision import apply_determinism
 from fedspc_app.core.protocol import (
     ACCEPTED_ROUNDS,
     ARRAYS,
@@ -55,13 +54,11 @@ from fedspc_app.core.protocol import (
     WORK_SECONDS,
 )
 from fedspc_app.core.records import from_record, to_record
-from fedspc_app.core.split import ParameterSplit, parameter_split
-from fedspc_app.core.task import (
-    ClientData,
-    client_data,
-    initial_model,
-    load_partition,
-)
+from fedspc_app.data.run_data import load_partition
+from fedspc_app.models.run_model import initial_model
+from fedspc_app.models.split import ParameterSplit, parameter_split
+from fedspc_app.training.client_data import ClientData, client_data
+from fedspc_app.training.precision import apply_determinism
 
 app = ClientApp()
 

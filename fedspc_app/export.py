@@ -27,16 +27,17 @@ from torch import nn
 from clients.durable import DurableState, simulation_folder
 from clients.local import assemble
 from clients.state import COMMITTED, PENDING, ClientState
-from fedspc_app.core.checkpoint import Checkpoint, fingerprint, read_checkpoint
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.files import atomic_open, atomic_write
 from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.protocol import ACCEPTED_ROUNDS, RUN_TOKEN
-from fedspc_app.core.results import CONFIG_JSON, read_summary
-from fedspc_app.core.split import ParameterSplit, parameter_split
-from fedspc_app.core.task import KNOWN_SHAPES, DatasetShape, load_arrays, make_model
+from fedspc_app.data.run_data import KNOWN_SHAPES, DatasetShape
 from fedspc_app.launch.cli import BAD_INPUT, fail
+from fedspc_app.models.run_model import load_arrays, make_model
+from fedspc_app.models.split import ParameterSplit, parameter_split
+from fedspc_app.runs.checkpoint import Checkpoint, fingerprint, read_checkpoint
+from fedspc_app.runs.results import CONFIG_JSON, read_summary
 
 FORMAT_VERSION = 1
 GLOBAL = "global"

@@ -34,17 +34,12 @@ from clients.local import uses_control_variates
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.correction import global_reference_update, zeros_like
 from fedspc_app.core.methods import get_method
-from fedspc_app.core.precision import apply_determinism
 from fedspc_app.core.protocol import EXAMPLES_SEEN, NUM_EXAMPLES, TRAIN_LOSS
-from fedspc_app.core.split import parameter_split
-from fedspc_app.core.task import (
-    client_data,
-    load_arrays,
-    load_partition,
-    load_run_dataset,
-    make_model,
-    state_arrays,
-)
+from fedspc_app.data.run_data import load_partition, load_run_dataset
+from fedspc_app.models.run_model import load_arrays, make_model, state_arrays
+from fedspc_app.models.split import parameter_split
+from fedspc_app.training.client_data import client_data
+from fedspc_app.training.precision import apply_determinism
 from strategies.personalized import evaluation_summary, mean_arrays
 
 

@@ -3,7 +3,7 @@
 In simulation the server loads the dataset and computes the partition itself, so
 that any bad input stops the run with one message before training. In a
 deployment the server machine need not hold the data (see
-:mod:`fedspc_app.deployment`).
+:mod:`fedspc_app.server.deployment`).
 """
 
 from __future__ import annotations
@@ -24,38 +24,38 @@ from torch import nn
 
 from clients.durable import simulation_folder, write_view_marker
 from clients.local import keeps_client_state
-from fedspc_app import warm_up
-from fedspc_app.core.checkpoint import TRAINED, RoundRecords, fingerprint, resume_point
 from fedspc_app.core.config import RunConfig, parse_run_config
-from fedspc_app.core.datasets import ImageDataset
 from fedspc_app.core.errors import ConfigError, FedSPCError
 from fedspc_app.core.files import folder_lock
 from fedspc_app.core.methods import Method, get_method
-from fedspc_app.core.partition_files import save_partition
-from fedspc_app.core.pause import RunPaused, clear_pause
-from fedspc_app.core.precision import apply_determinism, emulation_warning, precision_report
 from fedspc_app.core.protocol import ACCEPTED_ROUNDS, DEPLOYMENT, NUM_CLIENTS, RUN_NAME
-from fedspc_app.core.provenance import provenance
 from fedspc_app.core.records import to_record
-from fedspc_app.core.results import (
+from fedspc_app.data.datasets import ImageDataset
+from fedspc_app.data.partition_files import save_partition
+from fedspc_app.data.run_data import DatasetShape, load_partition
+from fedspc_app.models.run_model import make_model, state_arrays
+from fedspc_app.models.split import ParameterSplit, parameter_split
+from fedspc_app.runs.checkpoint import TRAINED, RoundRecords, fingerprint, resume_point
+from fedspc_app.runs.pause import RunPaused, clear_pause
+from fedspc_app.runs.provenance import provenance
+from fedspc_app.runs.results import (
     CONFIG_JSON,
     RunRecorder,
     TrafficGrid,
     read_json_file,
     read_summary,
 )
-from fedspc_app.core.runfolder import claim_run_folder
-from fedspc_app.core.split import ParameterSplit, parameter_split
-from fedspc_app.core.task import (
-    DatasetShape,
-    load_partition,
-    make_model,
+from fedspc_app.runs.runfolder import claim_run_folder
+from fedspc_app.runs.tensorboard import check_tensorboard
+from fedspc_app.server import warm_up
+from fedspc_app.server.deployment import is_deployment, preflight, server_dataset
+from fedspc_app.server.evaluation import ServerEvaluator, check_server_evaluation
+from fedspc_app.training.precision import (
+    apply_determinism,
+    emulation_warning,
+    precision_report,
     resolve_device,
-    state_arrays,
 )
-from fedspc_app.core.tensorboard import check_tensorboard
-from fedspc_app.deployment import is_deployment, preflight, server_dataset
-from fedspc_app.server_eval import ServerEvaluator, check_server_evaluation
 from strategies import FedSPC, PersonalizedFedAvg, RoundReport, run_rounds
 
 app = ServerApp()

@@ -24,14 +24,15 @@ from flwr.app import MetricRecord
 
 from clients.durable import SIMULATION_FOLDER, DurableState
 from clients.state import PENDING, ClientState
-from fedspc_app.core.checkpoint import COMPLETE, RoundRecords, fingerprint
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.methods import get_method
 from fedspc_app.core.records import to_record
-from fedspc_app.core.results import RunRecorder
-from fedspc_app.core.split import parameter_split
-from fedspc_app.core.task import KNOWN_SHAPES, make_model
+from fedspc_app.data.run_data import KNOWN_SHAPES
 from fedspc_app.launch.runconfig import load_overrides
+from fedspc_app.models.run_model import make_model
+from fedspc_app.models.split import parameter_split
+from fedspc_app.runs.checkpoint import COMPLETE, RoundRecords, fingerprint
+from fedspc_app.runs.results import RunRecorder
 from fedspc_app.server_app import build_strategy
 from strategies.personalized import RoundReport
 

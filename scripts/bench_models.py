@@ -2,7 +2,7 @@
 
 For each model and setting: build it, run one warm-up step, then time ``--steps``
 steps of forward + backward + SGD update on random data through the app's own
-training loop (:func:`fedspc_app.core.training.train_epochs`, so the precision and
+training loop (:func:`fedspc_app.training.loop.train_epochs`, so the precision and
 memory layout are those of a run), and print a table of parameter count, seconds per
 step and images per second.
 
@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fedspc_app.core.config import PRECISIONS, WIDTH_MODELS
 from fedspc_app.core.errors import ConfigError
-from fedspc_app.core.models import MODEL_NAMES, build_model
-from fedspc_app.core.precision import native_bf16, resolve_precision
-from fedspc_app.core.training import train_epochs
+from fedspc_app.models.networks import MODEL_NAMES, build_model
+from fedspc_app.training.loop import train_epochs
+from fedspc_app.training.precision import native_bf16, resolve_precision
 
 # --table: fp32, bf16 autocast, and bf16 with channels-last tensors.
 TABLE_SETTINGS = (("fp32", False), ("bf16", False), ("bf16", True))

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from fedspc_app.core.partition import dirichlet_partition
+from fedspc_app.data.partition import dirichlet_partition
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,7 @@ transfer, scheduling).
 
 With ``--compare`` and ``method = fedavg`` a minimal loop runs first: every client
 trained and evaluated with the project's data, model and training loop
-(:func:`fedspc_app.core.training.train_epochs`) and nothing else, in one process. It is
+(:func:`fedspc_app.training.loop.train_epochs`) and nothing else, in one process. It is
 the work itself, the baseline both other runs are held against; its metrics equal the
 plain loop's when the two do the same arithmetic. Both loops and the simulation run in
 the run-config's precision and memory layout.
@@ -84,14 +84,10 @@ def run_minimal(run_config: dict, clients: int, threads: int) -> dict:
     import numpy as np
     import torch
 
-    from fedspc_app.core.task import (
-        client_data,
-        load_partition,
-        load_run_dataset,
-        make_model,
-        seeded_generator,
-    )
-    from fedspc_app.core.training import evaluate_model, train_epochs
+    from fedspc_app.data.run_data import load_partition, load_run_dataset
+    from fedspc_app.models.run_model import make_model
+    from fedspc_app.training.client_data import client_data, seeded_generator
+    from fedspc_app.training.loop import evaluate_model, train_epochs
 
     torch.set_num_threads(threads)
     _, config = resolve_run_config(run_config)

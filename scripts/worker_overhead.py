@@ -47,7 +47,7 @@ class Trainer:
 
         torch.set_num_threads(1)
         from clients import ClientState
-        from fedspc_app.core.task import state_arrays
+        from fedspc_app.models.run_model import state_arrays
         from fedspc_app.serial import _Clients
 
         self.clients = _Clients(config, num_clients)

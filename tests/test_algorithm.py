@@ -21,7 +21,7 @@ from clients import ClientJob, ClientState, train_client
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.methods import get_method
 from fedspc_app.core.records import to_record
-from fedspc_app.core.split import parameter_split
+from fedspc_app.models.split import parameter_split
 from strategies import FedSPC
 
 ETA = 0.1

@@ -362,7 +362,7 @@ def test_run_dir_is_absolute(tmp_path, monkeypatch):
 # ----------------------------------------------------------------- data dir
 def test_empty_data_dir_follows_fedspc_cache_dir(tmp_path, monkeypatch):
     # Prepare
-    from fedspc_app.core import datasets
+    from fedspc_app.data import datasets
 
     monkeypatch.setenv("FEDSPC_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -377,7 +377,7 @@ def test_empty_data_dir_follows_fedspc_cache_dir(tmp_path, monkeypatch):
 
 def test_empty_data_dir_without_cache_env_is_under_home(tmp_path, monkeypatch):
     # Prepare
-    from fedspc_app.core import datasets
+    from fedspc_app.data import datasets
 
     monkeypatch.delenv("FEDSPC_CACHE_DIR", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))

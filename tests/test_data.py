@@ -1,4 +1,4 @@
-"""Tests for fedspc_app.core.datasets and fedspc_app.core.batching: loaders on small generated folders, batching, augmentation.
+"""Tests for fedspc_app.data.datasets and fedspc_app.data.batching: loaders on small generated folders, batching, augmentation.
 
 No test touches the network or the real datasets under /work/shared.
 """
@@ -17,17 +17,12 @@ import torchvision.datasets
 from sklearn.datasets import load_digits
 from torchvision.io import write_jpeg
 
-from fedspc_app.core import datasets as data
-from fedspc_app.core import tinyimagenet
-from fedspc_app.core.batching import iterate_batches, random_crop_flip
 from fedspc_app.core.config import DATASETS, parse_run_config
-from fedspc_app.core.datasets import (
-    DATASET_NAMES,
-    ImageDataset,
-    clear_cache,
-    load_dataset,
-)
 from fedspc_app.core.errors import ConfigError, DataError
+from fedspc_app.data import datasets as data
+from fedspc_app.data import tinyimagenet
+from fedspc_app.data.batching import iterate_batches, random_crop_flip
+from fedspc_app.data.datasets import DATASET_NAMES, ImageDataset, clear_cache, load_dataset
 
 # The fixtures write JPEGs with torchvision.io, which torchvision 0.29 marks deprecated.
 pytestmark = pytest.mark.filterwarnings(

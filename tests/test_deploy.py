@@ -39,18 +39,11 @@ from deploy.loopback import CONNECTED, LoopbackDeployment
 from deploy.pki import create_certificates, create_node_key
 from deploy.processes import wait_healthy
 from fedspc_app import client_app, server_app
-from fedspc_app import deployment as deployment_module
 from fedspc_app.client_app import node_run_config
 from fedspc_app.core.config import DATASETS, parse_run_config
-from fedspc_app.core.datasets import load_dataset
 from fedspc_app.core.methods import get_method
-from fedspc_app.core.split import parameter_split
-from fedspc_app.core.task import (
-    KNOWN_SHAPES,
-    dataset_shape,
-    load_partition,
-    make_model,
-)
+from fedspc_app.data.datasets import load_dataset
+from fedspc_app.data.run_data import KNOWN_SHAPES, dataset_shape, load_partition
 from fedspc_app.launch.processes import (
     LaunchFailed,
     OwnedProcess,
@@ -59,6 +52,9 @@ from fedspc_app.launch.processes import (
     start_time,
 )
 from fedspc_app.launch.superlink import LocalSuperLink, SimulationFailed, run_simulation
+from fedspc_app.models.run_model import make_model
+from fedspc_app.models.split import parameter_split
+from fedspc_app.server import deployment as deployment_module
 
 
 # ============================================================== in-process: server side

@@ -12,7 +12,7 @@ from flwr.app import Context, RecordDict
 from inprocess import InProcessGrid
 
 from fedspc_app import client_app, server_app
-from fedspc_app.core.precision import apply_determinism
+from fedspc_app.training.precision import apply_determinism
 
 
 @pytest.fixture

@@ -39,15 +39,12 @@ from clients.state import (
 )
 from fedspc_app import client_app
 from fedspc_app.core.config import parse_run_config
-from fedspc_app.core.datasets import load_dataset
 from fedspc_app.core.methods import get_method
 from fedspc_app.core.protocol import ARRAYS, GLOBAL_REFERENCE, METRICS
 from fedspc_app.core.records import from_record, to_record
-from fedspc_app.core.split import parameter_split
-from fedspc_app.core.task import (
-    make_model,
-    state_arrays,
-)
+from fedspc_app.data.datasets import load_dataset
+from fedspc_app.models.run_model import make_model, state_arrays
+from fedspc_app.models.split import parameter_split
 
 
 def sample_state(rounds: int = 3) -> ClientState:

@@ -17,8 +17,6 @@ import yaml
 
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.files import folder_lock
-from fedspc_app.core.pause import PAUSE_REQUEST, RunPaused, request_pause
-from fedspc_app.core.results import start_results
 from fedspc_app.experiments import cli, runner
 from fedspc_app.experiments.grid import (
     Cell,
@@ -31,6 +29,8 @@ from fedspc_app.experiments.pausing import resolve_target
 from fedspc_app.experiments.records import load_records
 from fedspc_app.experiments.runner import run_grid
 from fedspc_app.launch.superlink import SimulationFailed
+from fedspc_app.runs.pause import PAUSE_REQUEST, RunPaused, request_pause
+from fedspc_app.runs.results import start_results
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -25,13 +25,8 @@ from clients import ClientJob, evaluate_client
 from clients.durable import SIMULATION_FOLDER, DurableState
 from clients.state import PENDING, ClientState
 from fedspc_app import client_app, server_app
-from fedspc_app.core.checkpoint import CHECKPOINT_JSON
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.methods import get_method
-from fedspc_app.core.models import build_model
-from fedspc_app.core.split import parameter_split
-from fedspc_app.core.task import client_data, make_model, state_arrays
-from fedspc_app.core.training import evaluate_model
 from fedspc_app.export import (
     ExportError,
     description_path,
@@ -41,6 +36,12 @@ from fedspc_app.export import (
     main,
     open_run,
 )
+from fedspc_app.models.networks import build_model
+from fedspc_app.models.run_model import make_model, state_arrays
+from fedspc_app.models.split import parameter_split
+from fedspc_app.runs.checkpoint import CHECKPOINT_JSON
+from fedspc_app.training.client_data import client_data
+from fedspc_app.training.loop import evaluate_model
 
 ROOT = Path(__file__).resolve().parent.parent
 K = 3

@@ -22,15 +22,15 @@ from inprocess import InProcessGrid, run_server
 from clients.state import COMMITTED, PENDING, ClientState
 from fedspc_app import client_app, server_app
 from fedspc_app.client_app import check_node_config
-from fedspc_app.core import provenance
-from fedspc_app.core.checkpoint import CHECKPOINT_JSON
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.files import folder_lock
-from fedspc_app.core.pause import PAUSE_REQUEST, request_pause
 from fedspc_app.core.protocol import ARRAYS, GLOBAL_REFERENCE, METRICS
 from fedspc_app.core.records import from_record
-from fedspc_app.core.results import RunRecorder
+from fedspc_app.runs import provenance
+from fedspc_app.runs.checkpoint import CHECKPOINT_JSON
+from fedspc_app.runs.pause import PAUSE_REQUEST, request_pause
+from fedspc_app.runs.results import RunRecorder
 
 K = 3
 BASE = {"method": "fedrep", "fedspc": True, "num-rounds": 3, "local-epochs": 1,
@@ -630,7 +630,7 @@ def test_a_failed_round_keeps_the_last_checkpoint_and_is_done_again_on_resume(
     # Round 2 fails (two of three clients raise) and the server dies after its
     # aggregation, before the round's record: the checkpoint is still round 1's, and
     # the resumed run does round 2 again (the clients are back).
-    from fedspc_app.core import checkpoint as checkpoint_module
+    from fedspc_app.runs import checkpoint as checkpoint_module
 
     real = checkpoint_module.RoundRecords.on_round_end
 

@@ -24,19 +24,14 @@ from inprocess import InProcessGrid
 from fedspc_app import client_app, server_app
 from fedspc_app.core import startup
 from fedspc_app.core.config import parse_run_config
-from fedspc_app.core.datasets import load_dataset
 from fedspc_app.core.methods import METHODS, get_method
 from fedspc_app.core.records import from_record
-from fedspc_app.core.split import parameter_split
-from fedspc_app.core.task import (
-    client_data,
-    initial_model,
-    load_arrays,
-    make_model,
-    seeded_generator,
-)
-from fedspc_app.core.training import evaluate_model, train_epochs
+from fedspc_app.data.datasets import load_dataset
+from fedspc_app.models.run_model import initial_model, load_arrays, make_model
+from fedspc_app.models.split import parameter_split
 from fedspc_app.serial import run_serial
+from fedspc_app.training.client_data import client_data, seeded_generator
+from fedspc_app.training.loop import evaluate_model, train_epochs
 
 NUM_CLIENTS = 3
 # The cached runs below outlive any one test, so their folder is removed at exit.
@@ -416,7 +411,7 @@ def test_a_process_start_is_read_as_a_wall_clock_epoch():
 def test_the_warm_up_asks_every_node_once_and_a_failed_node_only_warns(monkeypatch):
     from logging import WARNING
 
-    from fedspc_app import warm_up
+    from fedspc_app.server import warm_up
 
     grid = InProcessGrid(client_app.app, NUM_CLIENTS, {"output-dir": str(OUTPUT)})
     grid.fail_nodes = {2}

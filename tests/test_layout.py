@@ -1,12 +1,13 @@
 """The import graph follows the layers the README describes.
 
-entry points (fedspc_app/*.py) -> strategies/, clients/ -> fedspc_app/core/;
-fedspc_app/experiments/ -> fedspc_app/launch/ -> fedspc_app/core/. Nothing imports
-upwards, strategies/ and clients/ do not import each other, and no package imports
-itself in a circle. Both sides of a message meet in fedspc_app/core/protocol.py and
-fedspc_app/core/records.py: the client side (the ClientApp, clients/, the deployment
-checks) imports no strategy, and the server's strategies and the clients' saved state
-convert records without fedspc_app.core.task (torch, the datasets, the models).
+entry points (fedspc_app/*.py) -> fedspc_app/server/, strategies/, clients/ ->
+fedspc_app/training/ -> fedspc_app/models/ -> fedspc_app/data/ -> fedspc_app/core/;
+fedspc_app/runs/ -> fedspc_app/core/; fedspc_app/experiments/ -> fedspc_app/launch/ ->
+fedspc_app/runs/. Nothing imports upwards, strategies/ and clients/ do not import each
+other, and no package imports itself in a circle. Both sides of a message meet in
+fedspc_app/core/protocol.py and fedspc_app/core/records.py: the client side (the
+ClientApp, clients/) imports no strategy, and the server's strategies and the
+clients' saved state convert records without torch, the datasets or the models.
 """
 
 from __future__ import annotations
@@ -21,15 +22,26 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # package -> the project packages it may import (besides itself)
+CORE, DATA, MODELS, TRAINING, RUNS = (f"fedspc_app.{name}" for name in
+                                      ("core", "data", "models", "training", "runs"))
 ALLOWED = {
-    "fedspc_app.core": set(),
-    "fedspc_app.launch": {"fedspc_app.core"},
-    "fedspc_app.experiments": {"fedspc_app.core", "fedspc_app.launch"},
-    "strategies": {"fedspc_app.core"},
-    "clients": {"fedspc_app.core"},
-    "fedspc_app": {"fedspc_app.core", "fedspc_app.launch", "strategies", "clients"},
-    "deploy": {"fedspc_app.core", "fedspc_app.launch", "deploy"},
+    CORE: set(),
+    DATA: {CORE},
+    MODELS: {CORE, DATA},
+    TRAINING: {CORE, DATA, MODELS},
+    RUNS: {CORE},
+    "fedspc_app.server": {CORE, DATA, MODELS, TRAINING, RUNS},
+    "fedspc_app.launch": {CORE, RUNS},
+    "fedspc_app.experiments": {CORE, DATA, MODELS, TRAINING, RUNS, "fedspc_app.launch"},
+    "strategies": {CORE},
+    "clients": {CORE, DATA, MODELS, TRAINING},
+    "fedspc_app": {CORE, DATA, MODELS, TRAINING, RUNS, "fedspc_app.server",
+                   "fedspc_app.launch", "strategies", "clients"},
+    "deploy": {CORE, RUNS, "fedspc_app.launch", "deploy"},
 }
+# Packages whose modules load torch (the strategies and the clients' saved state must
+# convert records without them).
+TORCH_PACKAGES = (DATA, MODELS, TRAINING)
 PACKAGES = sorted(ALLOWED, key=len, reverse=True)
 
 
@@ -88,7 +100,7 @@ def _imports_of(selected):
 
 
 def test_the_client_side_imports_no_strategy():
-    client_side = _imports_of(lambda m: m in ("fedspc_app.client_app", "fedspc_app.deployment")
+    client_side = _imports_of(lambda m: m in ("fedspc_app.client_app", "fedspc_app.server.deployment")
                               or package_of(m) == "clients")
     assert "fedspc_app.client_app" in client_side and "clients.state" in client_side
     wrong = {module: sorted(name for name in names if package_of(name) == "strategies")
@@ -96,19 +108,49 @@ def test_the_client_side_imports_no_strategy():
     assert not {module: names for module, names in wrong.items() if names}
 
 
-def test_strategies_and_client_state_do_not_import_the_task_module():
+def test_strategies_and_client_state_do_not_import_the_torch_packages():
     record_users = _imports_of(lambda m: package_of(m) == "strategies" or m == "clients.state")
     assert "strategies.fedspc" in record_users
-    wrong = {module: sorted(name for name in names
-                            if name == "fedspc_app.core.task"
-                            or name.startswith("fedspc_app.core.task."))
+    wrong = {module: sorted(name for name in names if package_of(name) in TORCH_PACKAGES)
              for module, names in record_users.items()}
     assert not {module: names for module, names in wrong.items() if names}
 
 
 def test_the_strategies_load_without_torch():
     code = ("import sys, strategies, fedspc_app.core.records, fedspc_app.core.protocol; "
-            "print(sorted(m for m in ('torch', 'fedspc_app.core.task') if m in sys.modules))")
+            "print(sorted(m for m in ('torch', 'fedspc_app.models', 'fedspc_app.data') "
+            "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# Import paths the documentation named before the layout split: each still gives the
+# same objects, with a DeprecationWarning naming the new home.
+FORMER_PATHS = {
+    "fedspc_app.core.models": ("fedspc_app.models.networks", ("build_model", "split_body_head")),
+    "fedspc_app.core.training": ("fedspc_app.training.loop", ("DriftCorrection",
+                                                              "ProximalTerm", "train_epochs")),
+}
+
+
+@pytest.mark.parametrize("old", sorted(FORMER_PATHS))
+def test_a_former_documented_path_still_gives_the_same_objects(old):
+    import importlib
+
+    new, names = FORMER_PATHS[old]
+    former, home = importlib.import_module(old), importlib.import_module(new)
+    for name in names:
+        with pytest.warns(DeprecationWarning, match=new):
+            assert getattr(former, name) is getattr(home, name)
+    with pytest.raises(AttributeError), pytest.warns(DeprecationWarning):
+        former.no_such_name  # noqa: B018
+
+
+def test_former_paths_are_only_aliases_and_no_module_is_over_700_lines():
+    for module, path in modules():
+        lines = len(path.read_text().splitlines())
+        assert lines <= 700, f"{module}: {lines} lines"
+        if module in FORMER_PATHS:  # an alias imports only the forwarding helper
+            assert project_imports(path) <= {"fedspc_app.core.moved",
+                                             "fedspc_app.core.moved.forward"}

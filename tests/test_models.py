@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from fedspc_app.core import models as models_module
 from fedspc_app.core.config import MODELS, parse_run_config
 from fedspc_app.core.errors import ConfigError
-from fedspc_app.core.models import MODEL_NAMES, build_model, split_body_head
+from fedspc_app.models import networks as models_module
+from fedspc_app.models.networks import MODEL_NAMES, build_model, split_body_head
 
 NUM_CLASSES = 7
 # ViT at the paper's width (768) is slow on a CPU; its architecture is otherwise identical.
@@ -312,7 +312,8 @@ def test_classifier_is_whole_model() -> None:
 
 
 def test_initial_model_is_reset_to_a_fresh_build_after_any_use() -> None:
-    from fedspc_app.core.task import KNOWN_SHAPES, initial_model, make_model
+    from fedspc_app.data.run_data import KNOWN_SHAPES
+    from fedspc_app.models.run_model import initial_model, make_model
 
     config = parse_run_config({"model": "cnn", "seed": 4})
     shape = KNOWN_SHAPES["cifar10"]

@@ -1,5 +1,5 @@
 """The FedSPC paper's Dirichlet label-skew partition and the class-count ("pathological")
-partition (fedspc_app.core.partition), their heatmaps (fedspc_app.experiments.plots,
+partition (fedspc_app.data.partition), their heatmaps (fedspc_app.experiments.plots,
 ``python -m fedspc_app.experiments partition``) and a run with ``partition = "classes"``."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from inprocess import InProcessGrid
 from fedspc_app import client_app, server_app
 from fedspc_app.core.config import PARTITIONS, parse_run_config
 from fedspc_app.core.errors import ConfigError, DataError
-from fedspc_app.core.partition import (
+from fedspc_app.data.partition import (
     SCHEMES,
     Partition,
     class_partition,
@@ -26,8 +26,8 @@ from fedspc_app.core.partition import (
     make_partition,
     partition_summary,
 )
-from fedspc_app.core.partition_files import load_partition_counts, save_partition
-from fedspc_app.core.task import load_partition
+from fedspc_app.data.partition_files import load_partition_counts, save_partition
+from fedspc_app.data.run_data import load_partition
 from fedspc_app.experiments import cli
 from fedspc_app.experiments.grid import expand_grid
 from fedspc_app.experiments.plots import plot_partition, plot_partitions

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fedspc_app.core import provenance
-from fedspc_app.core.provenance import (
+from fedspc_app.runs import provenance
+from fedspc_app.runs.provenance import (
     ORIGIN_ENV,
     code_changes,
     code_id,

@@ -10,8 +10,8 @@ import pytest
 from matplotlib.collections import PathCollection
 
 from fedspc_app.core.errors import ConfigError
-from fedspc_app.core.partition import dirichlet_partition
-from fedspc_app.core.partition_files import save_partition
+from fedspc_app.data.partition import dirichlet_partition
+from fedspc_app.data.partition_files import save_partition
 from fedspc_app.experiments import cli, layout, plots, reports
 from fedspc_app.experiments.records import (
     delta_text,

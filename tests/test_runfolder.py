@@ -12,8 +12,8 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from fedspc_app import client_app, server_app
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.errors import ConfigError
-from fedspc_app.core.runfolder import claim_run_folder, earlier_run
 from fedspc_app.experiments import centralized
+from fedspc_app.runs.runfolder import claim_run_folder, earlier_run
 from tests.inprocess import InProcessGrid
 
 

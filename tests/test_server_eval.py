@@ -11,15 +11,16 @@ from flwr.app import Context, MessageType, RecordDict
 from inprocess import InProcessGrid
 
 from fedspc_app import client_app, server_app
-from fedspc_app.core.batching import iterate_batches
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.errors import ConfigError, DataError
 from fedspc_app.core.methods import get_method
 from fedspc_app.core.records import from_record
-from fedspc_app.core.split import parameter_split
-from fedspc_app.core.task import load_arrays, load_run_dataset, make_model
-from fedspc_app.core.training import evaluate_model
-from fedspc_app.server_eval import check_server_evaluation
+from fedspc_app.data.batching import iterate_batches
+from fedspc_app.data.run_data import load_run_dataset
+from fedspc_app.models.run_model import load_arrays, make_model
+from fedspc_app.models.split import parameter_split
+from fedspc_app.server.evaluation import check_server_evaluation
+from fedspc_app.training.loop import evaluate_model
 
 BASE = {"num-rounds": 3, "local-epochs": 1, "batch-size": 64, "alpha": 0.5,
         "evaluate-server": True, "run-name": "run"}

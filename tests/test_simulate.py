@@ -18,7 +18,6 @@ from types import SimpleNamespace
 import pytest
 
 from fedspc_app import simulate
-from fedspc_app.core.pause import RunPaused
 from fedspc_app.launch import cli, superlink
 from fedspc_app.launch.processes import (
     LaunchFailed,
@@ -29,6 +28,7 @@ from fedspc_app.launch.processes import (
     start_time,
 )
 from fedspc_app.launch.superlink import LocalSuperLink
+from fedspc_app.runs.pause import RunPaused
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -13,11 +13,11 @@ import pytest
 from test_inprocess import OUTPUT, run_app, train_messages, train_replies
 
 from fedspc_app.core.config import parse_run_config
-from fedspc_app.core.datasets import load_dataset
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.methods import METHODS, Method, Phase, get_method, register
-from fedspc_app.core.split import parameter_split
-from fedspc_app.core.task import make_model
+from fedspc_app.data.datasets import load_dataset
+from fedspc_app.models.run_model import make_model
+from fedspc_app.models.split import parameter_split
 
 CONV = ("features.conv1.weight", "features.conv1.bias",
         "features.conv2.weight", "features.conv2.bias")

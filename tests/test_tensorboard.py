@@ -20,8 +20,8 @@ from tensorboard.backend.event_processing.event_accumulator import SCALARS, Even
 from fedspc_app import client_app, server_app
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.errors import ConfigError
-from fedspc_app.core.results import METRICS_CSV, METRICS_JSON, SCALAR_COLUMNS, RunRecorder
-from fedspc_app.core.tensorboard import FOLDER, check_tensorboard, tag
+from fedspc_app.runs.results import METRICS_CSV, METRICS_JSON, SCALAR_COLUMNS, RunRecorder
+from fedspc_app.runs.tensorboard import FOLDER, check_tensorboard, tag
 
 Scalars = dict[str, dict[int, float]]
 

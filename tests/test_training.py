@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from fedspc_app.core import precision as precision_module
 from fedspc_app.core.errors import DivergenceError
-from fedspc_app.core.models import build_model
-from fedspc_app.core.training import evaluate_model, train_epochs
+from fedspc_app.models.networks import build_model
+from fedspc_app.training import precision as precision_module
+from fedspc_app.training.loop import evaluate_model, train_epochs
 
 
 def batches(count: int = 6, size: int = 8, seed: int = 0):

@@ -1,3 +1,3 @@
-"""The core: run-config, data, partition, models, methods, the training loop and
-FedSPC's arithmetic. Nothing here imports Flower's apps, the strategies, the
-clients or the experiment tooling."""
+"""What both sides of a run agree on: the run-config, the errors, atomic files, the
+message protocol and its records, the methods' descriptions and FedSPC's reference
+arithmetic (Algorithm 1). Free of torch; imports nothing else of the project."""

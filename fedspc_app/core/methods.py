@@ -4,7 +4,7 @@ A method says which block of the model is shared with the server (the rest is
 personalized and never leaves the client), which phases of local training it runs
 (which block each phase updates, for how many epochs, on which model, with which
 proximal term), and which model is evaluated. The client executes the description
-with the one training loop in :mod:`fedspc_app.core.training`; the server aggregates the
+with the one training loop in :mod:`fedspc_app.training.loop`; the server aggregates the
 shared block. FedSPC (``fedspc = true``) adds the control-variate correction to the
 shared block of any method; SCAFFOLD is FedAvg with that correction always on.
 

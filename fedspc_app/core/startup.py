@@ -5,7 +5,7 @@ the process started, when it began and finished importing the ClientApp, and whe
 handler started (:func:`first_message_times`; wall-clock epochs). The server turns the
 replies of a phase into how long the new workers took (:func:`worker_startup`): the
 round loop records it for a round that met new workers, the simulation's warm-up
-(:mod:`fedspc_app.warm_up`) in config.json. Meaningful where server and clients share a
+(:mod:`fedspc_app.server.warm_up`) in config.json. Meaningful where server and clients share a
 clock (a simulation, one machine).
 """
 

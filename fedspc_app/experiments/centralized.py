@@ -22,10 +22,10 @@ import numpy as np
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError, FedSPCError
 from fedspc_app.core.files import folder_lock
-from fedspc_app.core.precision import apply_determinism
-from fedspc_app.core.results import format_duration, start_results, write_metrics, write_summary
-from fedspc_app.core.runfolder import claim_run_folder
 from fedspc_app.launch.runconfig import app_defaults
+from fedspc_app.runs.results import format_duration, start_results, write_metrics, write_summary
+from fedspc_app.runs.runfolder import claim_run_folder
+from fedspc_app.training.precision import apply_determinism
 
 CSV_COLUMNS = ("epoch", "accuracy", "loss", "train-loss", "learning-rate", "train-images",
                "epoch-seconds", "elapsed-seconds")
@@ -49,7 +49,7 @@ def build_config(run_config: Mapping[str, Any], *, run_name: str | None = None,
                  output_dir: str | None = None,
                  echo: Callable[[str], None] = print) -> RunConfig:
     """The app defaults, then ``run_config``, validated; the run-name filled in
-    (:func:`~fedspc_app.core.runfolder.claim_run_folder`: a new run never replaces an
+    (:func:`~fedspc_app.runs.runfolder.claim_run_folder`: a new run never replaces an
     earlier one)."""
     merged = {**app_defaults(), **run_config}
     if output_dir:
@@ -82,15 +82,12 @@ def train_centralized(config: RunConfig, *, epochs: int = 200, learning_rate: fl
                           f"got {epochs}, {eval_every}, {learning_rate}")
     epoch_learning_rate(learning_rate, 1, epochs, lr_schedule)  # checks the name
     # torch is imported only now, so that bad options fail fast.
-    from fedspc_app.core.batching import iterate_batches
-    from fedspc_app.core.task import (
-        load_run_dataset,
-        make_model,
-        resolve_device,
-        seeded_generator,
-        use_augmentation,
-    )
-    from fedspc_app.core.training import evaluate_model, train_epochs
+    from fedspc_app.data.batching import iterate_batches
+    from fedspc_app.data.run_data import load_run_dataset, use_augmentation
+    from fedspc_app.models.run_model import make_model
+    from fedspc_app.training.client_data import seeded_generator
+    from fedspc_app.training.loop import evaluate_model, train_epochs
+    from fedspc_app.training.precision import resolve_device
 
     config = config.replace(learning_rate=learning_rate)
     dataset = load_run_dataset(config)

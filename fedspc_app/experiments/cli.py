@@ -28,7 +28,7 @@ from pathlib import Path
 
 from fedspc_app.core.errors import ConfigError, FedSPCError
 from fedspc_app.core.files import folder_lock
-from fedspc_app.core.partition_files import load_partition_counts
+from fedspc_app.data.partition_files import load_partition_counts
 from fedspc_app.experiments import centralized, pausing
 from fedspc_app.experiments.grid import Grid, filter_cells, load_grid, parse_only
 from fedspc_app.experiments.layout import LOGS_DIR, REPORT_DIR

@@ -34,7 +34,6 @@ import yaml
 
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.errors import ConfigError
-from fedspc_app.core.results import portable_run_config, relative_path
 from fedspc_app.experiments.layout import slug
 from fedspc_app.launch.runconfig import (
     APP_DIR,
@@ -43,6 +42,7 @@ from fedspc_app.launch.runconfig import (
     check_resources,
     read_toml,
 )
+from fedspc_app.runs.results import portable_run_config, relative_path
 
 GRID_KEYS = ("name", "description", "base", "axes", "exclude", "simulation", "centralized")
 SIMULATION_KEYS = ("clients", "client-cpus", "client-gpus", "timeout")

@@ -3,7 +3,7 @@
 A run pauses after the round it is in (its checkpoint written, its metrics
 recorded), a grid after its running cell has paused so, or, with ``after_cell``,
 once that cell has finished. Nothing is lost: the grid's command continues the
-grid, ``resume = true`` a single run. See :mod:`fedspc_app.core.pause`.
+grid, ``resume = true`` a single run. See :mod:`fedspc_app.runs.pause`.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedspc_app.core.checkpoint import saved_progress
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.files import holder_text, lock_holder
-from fedspc_app.core.pause import clear_pause, request_pause
-from fedspc_app.core.results import CONFIG_JSON
 from fedspc_app.experiments.grid import load_grid
 from fedspc_app.experiments.layout import GRID_JSON, read_json
+from fedspc_app.runs.checkpoint import saved_progress
+from fedspc_app.runs.pause import clear_pause, request_pause
+from fedspc_app.runs.results import CONFIG_JSON
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import numpy as np
 
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.files import atomic_write
-from fedspc_app.core.partition_files import PARTITION_JSON, load_partition_counts
+from fedspc_app.data.partition_files import PARTITION_JSON, load_partition_counts
 from fedspc_app.experiments.layout import slug
 from fedspc_app.experiments.records import (
     CENTRALIZED,

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from fedspc_app.core.errors import DataError
-from fedspc_app.core.partition_files import load_partition_counts
-from fedspc_app.core.provenance import code_id
-from fedspc_app.core.results import DRIFT_COLUMNS
+from fedspc_app.data.partition_files import load_partition_counts
 from fedspc_app.experiments.layout import GRID_JSON, read_failures, read_json
+from fedspc_app.runs.provenance import code_id
+from fedspc_app.runs.results import DRIFT_COLUMNS
 
 MISSING = "—"
 # Per-round metrics a record keeps besides accuracy (the drift figure's and table's).

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from fedspc_app.core.files import atomic_write
-from fedspc_app.core.results import format_duration
 from fedspc_app.experiments.layout import slug
 from fedspc_app.experiments.plots import (
     plot_curves,
@@ -55,6 +54,7 @@ from fedspc_app.experiments.records import (
     split_slug,
     split_title,
 )
+from fedspc_app.runs.results import format_duration
 
 
 # -------------------------------------------------------------------------- tables

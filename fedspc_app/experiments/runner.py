@@ -22,11 +22,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from fedspc_app.core.checkpoint import CHECKPOINT_JSON, saved_progress
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.files import atomic_write, holder_text, lock_holder
-from fedspc_app.core.pause import PAUSE_REQUEST, RunPaused, clear_pause, pause_requested
-from fedspc_app.core.results import CONFIG_JSON, METRICS_JSON, SUMMARY_JSON, format_duration
 from fedspc_app.experiments.grid import Cell, Grid, SimulationSettings
 from fedspc_app.experiments.layout import (
     FAILURES_JSON,
@@ -38,6 +35,9 @@ from fedspc_app.experiments.layout import (
 from fedspc_app.launch.processes import run_logged
 from fedspc_app.launch.runconfig import run_config_file
 from fedspc_app.launch.superlink import LocalSuperLink, SimulationFailed, run_simulation
+from fedspc_app.runs.checkpoint import CHECKPOINT_JSON, saved_progress
+from fedspc_app.runs.pause import PAUSE_REQUEST, RunPaused, clear_pause, pause_requested
+from fedspc_app.runs.results import CONFIG_JSON, METRICS_JSON, SUMMARY_JSON, format_duration
 
 Echo = Callable[[str], None]
 CELL_ERRORS = (SimulationFailed, FedSPCError, TimeoutError)

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from fedspc_app.core.errors import FedSPCError
-from fedspc_app.core.pause import RunPaused
 from fedspc_app.launch.processes import LaunchFailed, exit_on_termination
 from fedspc_app.launch.runconfig import (
     check_resources,
@@ -17,6 +16,7 @@ from fedspc_app.launch.runconfig import (
     resolve_run_config,
 )
 from fedspc_app.launch.superlink import SimulationFailed, run_simulation, simulation
+from fedspc_app.runs.pause import RunPaused
 
 BAD_INPUT = 2  # as argparse exits on a bad argument
 FAILED = 1

@@ -23,9 +23,6 @@ from typing import Any
 
 import tomli_w
 
-from fedspc_app.core.pause import RunPaused
-from fedspc_app.core.provenance import origin_env
-from fedspc_app.core.runfolder import claim_run_folder
 from fedspc_app.launch.processes import (
     OwnedProcess,
     child_env,
@@ -35,6 +32,9 @@ from fedspc_app.launch.processes import (
     run_logged,
 )
 from fedspc_app.launch.runconfig import APP_DIR, resolve_run_config, run_config_file
+from fedspc_app.runs.pause import RunPaused
+from fedspc_app.runs.provenance import origin_env
+from fedspc_app.runs.runfolder import claim_run_folder
 
 CONNECTION = "fedspc-sim"
 
@@ -42,7 +42,7 @@ CONNECTION = "fedspc-sim"
 def flower_env(flwr_home: str | os.PathLike[str]) -> dict[str, str]:
     """Environment for Flower's processes and ``flwr``: a private home, no runtime
     installs, this interpreter's console scripts first on PATH, and the checkout's
-    git commit (:func:`fedspc_app.core.provenance.origin_env`)."""
+    git commit (:func:`fedspc_app.runs.provenance.origin_env`)."""
     env = child_env()
     env.update({
         "FLWR_HOME": str(Path(flwr_home)),

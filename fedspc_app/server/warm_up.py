@@ -7,7 +7,7 @@ clients. :func:`start` sends every node one small query (``WARM_UP_QUERY``: the 
 loads what round 1 would load) before the server loads its own data and builds its
 model, so both happen at once; :func:`finish` collects the replies before round 1. A
 deployment's SuperNodes start a process per message, so there it would warm nothing:
-the preflight check (:mod:`fedspc_app.deployment`) loads their data instead.
+the preflight check (:mod:`fedspc_app.server.deployment`) loads their data instead.
 """
 
 from __future__ import annotations

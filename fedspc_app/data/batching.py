@@ -13,8 +13,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedspc_app.core.datasets import ImageDataset
 from fedspc_app.core.errors import ConfigError, DataError
+from fedspc_app.data.datasets import ImageDataset
 
 __all__ = ["iterate_batches", "random_crop_flip"]
 

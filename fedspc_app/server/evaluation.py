@@ -17,14 +17,15 @@ from collections.abc import Mapping
 import numpy as np
 from torch import nn
 
-from fedspc_app.core.batching import iterate_batches
 from fedspc_app.core.config import RunConfig
-from fedspc_app.core.datasets import ImageDataset
 from fedspc_app.core.errors import ConfigError, DataError
-from fedspc_app.core.results import SERVER_COLUMNS
-from fedspc_app.core.split import ParameterSplit
-from fedspc_app.core.task import load_arrays, resolve_device
-from fedspc_app.core.training import evaluate_model
+from fedspc_app.data.batching import iterate_batches
+from fedspc_app.data.datasets import ImageDataset
+from fedspc_app.models.run_model import load_arrays
+from fedspc_app.models.split import ParameterSplit
+from fedspc_app.runs.results import SERVER_COLUMNS
+from fedspc_app.training.loop import evaluate_model
+from fedspc_app.training.precision import resolve_device
 
 SERVER_ACCURACY, SERVER_LOSS, SERVER_SECONDS = SERVER_COLUMNS
 

@@ -1,6 +1,6 @@
 """Image datasets held in memory as uint8 tensors ``[N, C, H, W]``.
 
-Batching and augmentation on those tensors are in :mod:`fedspc_app.core.batching`.
+Batching and augmentation on those tensors are in :mod:`fedspc_app.data.batching`.
 
 Supported datasets (:data:`DATASET_NAMES`):
 
@@ -40,8 +40,8 @@ from fedspc_app.core.config import (  # noqa: F401 - re-exported
 )
 from fedspc_app.core.errors import ConfigError, DataError, one_line
 from fedspc_app.core.files import find_folder
-from fedspc_app.core.imagedata import SPLITS, ImageDataset
-from fedspc_app.core.tinyimagenet import load_tinyimagenet
+from fedspc_app.data.imagedata import SPLITS, ImageDataset
+from fedspc_app.data.tinyimagenet import load_tinyimagenet
 
 __all__ = [
     "DATASET_NAMES",

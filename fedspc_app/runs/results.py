@@ -31,7 +31,7 @@ from flwr.serverapp import Grid
 
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.files import atomic_write
-from fedspc_app.core.tensorboard import RoundScalars
+from fedspc_app.runs.tensorboard import RoundScalars
 
 # Where a round's time went (README: Speed): each phase's wall time, the sums over
 # its clients of their setup and work seconds, and in a phase that met new ClientApp

@@ -1,4 +1,5 @@
-"""Which arithmetic a device trains in: ``precision = auto | fp32 | bf16``.
+"""Which device a run trains on (``device = auto | cpu | cuda``) and which arithmetic
+(``precision = auto | fp32 | bf16``).
 
 ``bf16`` runs the forward pass and the loss under bfloat16 autocast (parameters,
 gradients and the optimizer stay float32). It pays only where the device computes
@@ -15,7 +16,8 @@ import os
 
 import torch
 
-from fedspc_app.core.config import PRECISIONS
+from fedspc_app.core.config import PRECISIONS, RunConfig
+from fedspc_app.core.errors import ConfigError
 
 
 def _cpu_native_bf16() -> bool:
@@ -89,3 +91,12 @@ def apply_determinism(deterministic: bool) -> dict[str, object]:
             "algorithms": torch.are_deterministic_algorithms_enabled(),
             "cudnn-deterministic": bool(torch.backends.cudnn.deterministic),
             "cudnn-benchmark": bool(torch.backends.cudnn.benchmark)}
+
+
+def resolve_device(config: RunConfig) -> torch.device:
+    """``device = auto`` picks CUDA when available."""
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("run-config 'device' = 'cuda' but CUDA is not available here")
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)

@@ -18,9 +18,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedspc_app.core.config import RunConfig
-from fedspc_app.core.datasets import ImageDataset
 from fedspc_app.core.errors import FedSPCError
-from fedspc_app.core.partition import partition_summary
 from fedspc_app.core.protocol import (
     CONFIG,
     METRICS,
@@ -29,12 +27,9 @@ from fedspc_app.core.protocol import (
     QUERY,
     RUN_NAME,
 )
-from fedspc_app.core.task import (
-    KNOWN_SHAPES,
-    DatasetShape,
-    dataset_shape,
-    load_run_dataset,
-)
+from fedspc_app.data.datasets import ImageDataset
+from fedspc_app.data.partition import partition_summary
+from fedspc_app.data.run_data import KNOWN_SHAPES, DatasetShape, dataset_shape, load_run_dataset
 
 try:  # the Grid Flower's deployment engine hands the ServerApp (not a public name)
     from flwr.superlink.grid import HttpGrid as _DeploymentGrid
@@ -87,7 +82,7 @@ def preflight(grid: Grid, config: RunConfig, num_clients: int, shape: DatasetSha
     Returns
     -------
     dict
-        Like :meth:`fedspc_app.core.partition.Partition.to_dict`, from the replies.
+        Like :meth:`fedspc_app.data.partition.Partition.to_dict`, from the replies.
     """
     node_ids = sorted(grid.get_node_ids())
     messages = [

@@ -1,6 +1,6 @@
 """A run's per-round metrics as TensorBoard scalars (run-config ``tensorboard = true``).
 
-:class:`RunRecorder <fedspc_app.core.results.RunRecorder>` hands every round row it
+:class:`RunRecorder <fedspc_app.runs.results.RunRecorder>` hands every round row it
 records (the numbers of ``metrics.json`` / ``metrics.csv``) to a :class:`RoundScalars`,
 which writes them under ``<run folder>/tensorboard/`` with the round as the step and
 flushes after each round, so that ``tensorboard --logdir results/`` follows a run live.

@@ -25,9 +25,9 @@ from pathlib import Path
 
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.errors import ConfigError
-from fedspc_app.core.results import CONFIG_JSON, METRICS_JSON, SUMMARY_JSON
+from fedspc_app.runs.results import CONFIG_JSON, METRICS_JSON, SUMMARY_JSON
 
-CHECKPOINT_JSON = "checkpoint.json"  # the server's checkpoint (fedspc_app.core.checkpoint)
+CHECKPOINT_JSON = "checkpoint.json"  # the server's checkpoint (fedspc_app.runs.checkpoint)
 RUN_FILES = (CONFIG_JSON, METRICS_JSON, SUMMARY_JSON, CHECKPOINT_JSON)
 
 

@@ -1,4 +1,4 @@
-"""Tiny-ImageNet-200 as an :class:`~fedspc_app.core.datasets.ImageDataset`.
+"""Tiny-ImageNet-200 as an :class:`~fedspc_app.data.datasets.ImageDataset`.
 
 The official zip's layout (``tiny-imagenet-200/``: ``wnids.txt``, ``words.txt``,
 ``train/<wnid>/images/*.JPEG``, ``val/images`` with ``val_annotations.txt``), decoded
@@ -22,7 +22,7 @@ import torch
 from fedspc_app.core.config import default_cache_dir
 from fedspc_app.core.errors import DataError, one_line
 from fedspc_app.core.files import atomic_open, find_folder
-from fedspc_app.core.imagedata import ImageDataset
+from fedspc_app.data.imagedata import ImageDataset
 
 logger = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from flwr.supercore import log
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.files import atomic_open, atomic_write
-from fedspc_app.core.pause import RunPaused, clear_pause, pause_requested
 from fedspc_app.core.records import ArrayDict, from_record
-from fedspc_app.core.results import CHECKPOINT_SECONDS, RunRecorder
-from fedspc_app.core.runfolder import CHECKPOINT_JSON
+from fedspc_app.runs.pause import RunPaused, clear_pause, pause_requested
+from fedspc_app.runs.results import CHECKPOINT_SECONDS, RunRecorder
+from fedspc_app.runs.runfolder import CHECKPOINT_JSON
 
 FORMAT_VERSION = 1
 TRAINED, COMPLETE = "trained", "complete"
@@ -172,7 +172,7 @@ def _plain(value: Any) -> Any:
 class RoundRecords:
     """The round loop's callbacks: after each round's aggregation the checkpoint,
     after its evaluation the progress line, the results files and the checkpoint,
-    then the pause request (:mod:`fedspc_app.core.pause`): one present ends the run
+    then the pause request (:mod:`fedspc_app.runs.pause`): one present ends the run
     there by raising :class:`RunPaused`. ``strategy`` answers ``state_dict()`` and
     ``state_arrays()`` (strategies/)."""
 
@@ -237,7 +237,7 @@ def resume_point(config: RunConfig, identity: dict) -> Checkpoint | None:
     """The checkpoint to continue from, or ``None`` to start at round 1.
 
     A run that does not resume starts in a folder that holds no run, or replaces one
-    on ``overwrite = true``: :func:`fedspc_app.core.runfolder.claim_run_folder` has
+    on ``overwrite = true``: :func:`fedspc_app.runs.runfolder.claim_run_folder` has
     settled which before anything is written.
     """
     if not config.resume:

@@ -1,6 +1,6 @@
 """How a method splits a model: the shared and personal sets of state-dict keys.
 
-The body/head split comes from the model (:func:`fedspc_app.core.models.split_body_head`);
+The body/head split comes from the model (:func:`fedspc_app.models.networks.split_body_head`);
 a method shares its body, its head or everything (:mod:`fedspc_app.core.methods`), and a
 run-config may declare its own split with key patterns (``shared-keys``,
 ``personal-keys``).
@@ -16,7 +16,7 @@ from torch import nn
 
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.methods import Block, Method
-from fedspc_app.core.models import split_body_head
+from fedspc_app.models.networks import split_body_head
 
 
 @dataclass(frozen=True)

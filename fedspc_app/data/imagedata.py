@@ -1,4 +1,4 @@
-"""The in-memory dataset every loader returns (:mod:`fedspc_app.core.datasets`)."""
+"""The in-memory dataset every loader returns (:mod:`fedspc_app.data.datasets`)."""
 
 from __future__ import annotations
 

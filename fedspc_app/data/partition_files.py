@@ -1,5 +1,5 @@
 """A partition's files in a run folder: ``partition.json`` (the dict form of
-:meth:`fedspc_app.core.partition.Partition.to_dict`) and ``partition.csv`` (per-client
+:meth:`fedspc_app.data.partition.Partition.to_dict`) and ``partition.csv`` (per-client
 class counts), and reading the counts back for the reports and plots."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 
 from fedspc_app.core.errors import DataError
 from fedspc_app.core.files import atomic_write
-from fedspc_app.core.partition import Partition
+from fedspc_app.data.partition import Partition
 
 PARTITION_JSON = "partition.json"
 PARTITION_CSV = "partition.csv"
