@@ -12,6 +12,7 @@ variates are on (FedSPC, SCAFFOLD), then computes the new local reference
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from clients.state import ClientState
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.correction import add, reference_change, shared_update, zeros_like
 from fedspc_app.core.errors import DivergenceError
-from fedspc_app.core.methods import Method
+from fedspc_app.core.methods import Method, Phase
 from fedspc_app.core.protocol import (
     EXAMPLES_SEEN,
     LOCAL_CORRECT,
@@ -105,6 +106,23 @@ def keeps_client_state(method: Method, config: RunConfig, split: ParameterSplit)
     a personal model, or a local reference u_k."""
     return bool(split.personal or method.personal_model
                 or uses_control_variates(method, config))
+
+
+def updates_shared(phase: Phase, split: ParameterSplit) -> bool:
+    """Whether ``phase`` takes optimizer steps on shared parameters (its steps are E)."""
+    return phase.model == "shared" and any(
+        key in split.shared and key in split.parameters for key in split.trainable(phase.train))
+
+
+def expected_shared_steps(method: Method, config: RunConfig, split: ParameterSplit,
+                          train_images: int) -> int:
+    """E_k, the optimizer steps a client with ``train_images`` training images takes on
+    the shared block in a round: each phase that updates it runs its epochs of
+    ceil(images / batch-size) batches (what :func:`train_client` counts). The server
+    checks the replies' reported steps against it."""
+    batches = math.ceil(train_images / config.batch_size)
+    return sum(int(getattr(config, phase.epochs)) * batches
+               for phase in method.phases if updates_shared(phase, split))
 
 
 def _tensors(arrays: Mapping[str, np.ndarray], keys, device) -> dict[str, torch.Tensor]:
@@ -205,8 +223,8 @@ def train_client(
         if phase.proximal is not None:
             mu = float(getattr(config, phase.proximal))
             hooks.append(ProximalTerm({k: anchor[k] for k in trainable if k in anchor}, mu))
-        updates_shared = phase.model == "shared" and any(k in anchor for k in trainable)
-        if correction is not None and updates_shared:
+        shared_phase = updates_shared(phase, split)
+        if correction is not None and shared_phase:
             hooks.append(DriftCorrection({k: correction[k] for k in trainable if k in correction}))
         try:
             result = train_epochs(
@@ -221,7 +239,7 @@ def train_client(
         except DivergenceError as error:
             raise DivergenceError(f"client {partition_id} diverged in round {server_round} "
                                   f"({phase.train} phase): {error}") from None
-        if updates_shared:
+        if shared_phase:
             shared_steps += result.steps
         if result.examples:
             last_loss = result.mean_loss

@@ -12,6 +12,7 @@ from flwr.clientapp import ClientApp
 from flwr.supercore import log
 
 from clients import ClientJob, evaluate_client, train_client
+from clients.attack import attacked_reference_change, attacked_reply, is_attacker
 from clients.durable import DurableState
 from clients.local import keeps_client_state
 from clients.state import (
@@ -50,6 +51,7 @@ from fedspc_app.core.protocol import (
     RUN_TOKEN,
     SERVER_ROUND,
     SETUP_SECONDS,
+    SHARED_STEPS,
     WARM_UP_QUERY,
     WORK_SECONDS,
 )
@@ -254,10 +256,18 @@ def train(message: Message, context: Context) -> Message:
     worked = time.perf_counter()
     metrics = {**outcome.metrics, PARTITION_ID: setup.partition_id,
                **timings(started, working, worked), **first_message_times(started_at)}
-    content = RecordDict({ARRAYS: to_record(outcome.shared), METRICS: MetricRecord(metrics)})
+    shared, change = outcome.shared, outcome.reference_change
+    if is_attacker(setup.config, setup.partition_id):  # fault injection (run-config attack)
+        shared, metrics = attacked_reply(setup.config, setup.partition_id,
+                                         setup.server_round, job.received, shared, metrics,
+                                         setup.split.corrected)
+        if change is not None:
+            change = attacked_reference_change(setup.config, job.received, shared,
+                                               global_reference, metrics[SHARED_STEPS])
+    content = RecordDict({ARRAYS: to_record(shared), METRICS: MetricRecord(metrics)})
     upload = message_config(message).get(REFERENCE_UPLOAD)
-    if upload == "explicit" and outcome.reference_change is not None:
-        content[REFERENCE_CHANGE] = to_record(outcome.reference_change)
+    if upload == "explicit" and change is not None:
+        content[REFERENCE_CHANGE] = to_record(change)
     return Message(content=content, reply_to=message)
 
 

@@ -33,6 +33,7 @@ from clients import ClientJob, ClientState, evaluate_client, train_client
 from clients.local import uses_control_variates
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.correction import global_reference_update, zeros_like
+from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.methods import get_method
 from fedspc_app.core.protocol import EXAMPLES_SEEN, NUM_EXAMPLES, TRAIN_LOSS
 from fedspc_app.data.run_data import load_partition, load_run_dataset
@@ -40,7 +41,8 @@ from fedspc_app.models.run_model import load_arrays, make_model, state_arrays
 from fedspc_app.models.split import parameter_split
 from fedspc_app.training.client_data import client_data
 from fedspc_app.training.precision import apply_determinism
-from strategies.personalized import evaluation_summary, mean_arrays
+from strategies.aggregation import mean_arrays
+from strategies.personalized import evaluation_summary
 
 
 def _sample(rng: np.random.Generator, num_clients: int, fraction: float) -> list[int]:
@@ -113,7 +115,15 @@ def run_serial(config: RunConfig, num_clients: int,
     ``train-loss``, ``train-images``, ``client-accuracy`` and so on) and the wall
     seconds of the round and of its two phases (``train-seconds``,
     ``evaluate-seconds``).
+
+    It runs the paper's aggregation (``mean`` or ``weighted``) without a server
+    optimizer or attackers; other settings are refused with a ConfigError.
     """
+    if (config.aggregation not in ("mean", "weighted") or config.server_optimizer != "mean"
+            or config.attack != "none"):
+        raise ConfigError("the plain loop runs the mean (or weighted) aggregation only, "
+                          "without a server optimizer or attack; run the others with "
+                          "python -m fedspc_app.simulate")
     started = time.perf_counter()
     local = _Clients(config, num_clients)
     pool = None

@@ -12,6 +12,7 @@ import contextlib
 import secrets
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
@@ -23,7 +24,7 @@ from flwr.supercore import log
 from torch import nn
 
 from clients.durable import simulation_folder, write_view_marker
-from clients.local import keeps_client_state
+from clients.local import expected_shared_steps, keeps_client_state
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError, FedSPCError
 from fedspc_app.core.files import folder_lock
@@ -56,18 +57,39 @@ from fedspc_app.training.precision import (
     precision_report,
     resolve_device,
 )
-from strategies import FedSPC, PersonalizedFedAvg, RoundReport, run_rounds
+from strategies import (
+    AggregationRule,
+    FedSPC,
+    PersonalizedFedAvg,
+    RoundReport,
+    ServerOptimizer,
+    run_rounds,
+)
 
 app = ServerApp()
 
 
 def build_strategy(config: RunConfig, method: Method, split: ParameterSplit,
-                   num_clients: int = 2):
+                   num_clients: int = 2, train_sizes: Sequence[int] | None = None):
     """The method's strategy: FedSPC when the control variates are on, else
-    PersonalizedFedAvg (both aggregate the shared block alike)."""
+    PersonalizedFedAvg (both aggregate the shared block alike), with the run's
+    aggregation rule and server optimizer. ``train_sizes`` (each partition's training
+    images): the replies' reported images and shared steps are checked against them."""
+    optimizer = None
+    if config.server_optimizer != "mean":
+        optimizer = ServerOptimizer(
+            config.server_optimizer, split.corrected,
+            learning_rate=config.server_learning_rate, momentum=config.server_momentum,
+            beta1=config.server_beta1, beta2=config.server_beta2, tau=config.server_tau)
+    expected = None
+    if train_sizes is not None:
+        expected = {pid: (int(size), expected_shared_steps(method, config, split, int(size)))
+                    for pid, size in enumerate(train_sizes)}
     common = dict(
         shared_keys=split.shared,
-        aggregation=config.aggregation,
+        aggregation=AggregationRule(config.aggregation, trim_fraction=config.trim_fraction,
+                                    byzantine=config.byzantine_clients,
+                                    krum_select=config.krum_select),
         fraction_train=config.fraction_train,
         min_available_nodes=num_clients,
         num_partitions=num_clients,
@@ -75,11 +97,21 @@ def build_strategy(config: RunConfig, method: Method, split: ParameterSplit,
         drift_keys=split.corrected,
         seed=config.seed,
         node_wait=config.node_wait,
+        server_optimizer=optimizer,
+        expected_counts=expected,
     )
     if method.control_variates or config.fedspc:
         return FedSPC(corrected_keys=split.corrected, learning_rate=config.learning_rate,
                       upload=config.fedspc_upload, **common)
     return PersonalizedFedAvg(**common)
+
+
+def train_sizes(partition: Any) -> list[int]:
+    """Each partition's training images, from the run's partition (a simulation's
+    :class:`Partition`, or a deployment's counts as its SuperNodes reported them)."""
+    if isinstance(partition, dict):
+        return [int(sum(counts)) for counts in partition["train_counts"]]
+    return [len(partition.client(pid)[0]) for pid in range(partition.num_clients)]
 
 
 def wait_for_clients(grid: Grid, expected: int, timeout: float = 600.0) -> int:
@@ -170,12 +202,14 @@ def train(grid: Grid, checked: CheckedRun) -> None:
     traffic = TrafficGrid(grid)
     recorder = RunRecorder(config, traffic=traffic, echo=lambda line: log(INFO, "%s", line))
     identity = fingerprint(config, num_clients)
-    strategy = build_strategy(config, method, split, num_clients)
+    strategy = build_strategy(config, method, split, num_clients,
+                              train_sizes(checked.partition))
     try:
         resumed = resume_point(config, identity)
         if resumed is not None:
             strategy.load_state_dict(resumed.strategy, resumed.round,
                                      global_reference=resumed.global_reference)
+            strategy.load_optimizer_arrays(resumed.optimizer)
             if set(resumed.shared) != set(split.shared):
                 raise ConfigError("the checkpoint's shared block does not match this model")
             check_saved_client_state(checked, resumed.strategy)

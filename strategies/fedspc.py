@@ -15,6 +15,11 @@ client uses (:mod:`fedspc_app.core.correction`, which also holds the u_bar updat
 so FedSPC costs no extra upload bytes; ``upload="explicit"`` makes clients also send
 the change, as the paper describes. Both give identical parameters.
 
+Under a robust aggregation rule (:mod:`strategies.aggregation`) the u_bar update
+follows the same rule: the sum of the changes is replaced by the number of accepted
+replies times the coordinate-wise median or trimmed mean of the changes, or the mean
+of the changes of the clients Krum selects. A server optimizer moves theta_s only.
+
 SCAFFOLD is this strategy with every parameter shared.
 """
 
@@ -43,6 +48,7 @@ from fedspc_app.core.protocol import (
     SHARED_STEPS,
 )
 from fedspc_app.core.records import ArrayDict, from_record, to_record
+from strategies.aggregation import robust_reference_sum
 from strategies.personalized import PersonalizedFedAvg
 
 
@@ -160,9 +166,14 @@ class FedSPC(PersonalizedFedAvg):
         """Aggregate theta_s as :class:`PersonalizedFedAvg` does, then update u_bar
         (step 4); a failed round changes neither."""
         arrays, metrics = super().aggregate_accepted(server_round, accepted)
+        changes: Iterable[ArrayDict] = (self.reference_change_of(m) for m in accepted)
+        if self.rule.robust:
+            # The sum over the accepted replies' changes, replaced by their count
+            # times the rule's centre of the changes (Krum: of the selected ones).
+            changes = [robust_reference_sum(self.rule, list(changes), self.selected,
+                                            len(accepted))]
         self.global_reference = global_reference_update(
-            self.global_reference, (self.reference_change_of(m) for m in accepted),
-            num_clients=max(self.num_clients, len(accepted)))
+            self.global_reference, changes, num_clients=max(self.num_clients, len(accepted)))
         norm = float(np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2))
                                  for v in self.global_reference.values())))
         metrics["global-reference-norm"] = norm

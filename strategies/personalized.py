@@ -50,12 +50,15 @@ from fedspc_app.core.protocol import (
     ROUNDS_TRAINED,
     RUN_TOKEN,
     SERVER_ROUND,
+    SHARED_STEPS,
     TIMINGS,
     TRAIN_LOSS,
 )
 from fedspc_app.core.records import ArrayDict, from_record, to_record
+from strategies.aggregation import AggregationRule, mean_arrays
 from strategies.drift import drift_statistics
 from strategies.sampling import PartitionSampler
+from strategies.server_optimizer import ServerOptimizer
 
 EVALUATION_KEYS = (NUM_EXAMPLES, CORRECT, LOSS_SUM, PARTITION_ID)
 
@@ -134,25 +137,6 @@ class RoundReport:
         return self.sampled - self.accepted
 
 
-def mean_arrays(updates: Sequence[ArrayDict], weights: Sequence[float]) -> ArrayDict:
-    """Weighted mean of ``updates`` key by key, accumulated in float64.
-
-    Each result keeps the dtype of the inputs; integer entries (BatchNorm's
-    ``num_batches_tracked``) are rounded rather than turned into floats.
-    """
-    total = float(sum(weights))
-    out: ArrayDict = {}
-    for key, first in updates[0].items():
-        acc = np.zeros(np.shape(first), dtype=np.float64)
-        for update, weight in zip(updates, weights):
-            acc += np.asarray(update[key], dtype=np.float64) * (weight / total)
-        if np.issubdtype(first.dtype, np.integer):
-            out[key] = np.rint(acc).astype(first.dtype)
-        else:
-            out[key] = acc.astype(first.dtype)
-    return out
-
-
 class PersonalizedFedAvg(FedAvg):
     """Average the shared block; personalized entries never reach the server.
 
@@ -161,9 +145,11 @@ class PersonalizedFedAvg(FedAvg):
     shared_keys : Sequence[str]
         State-dict keys the method shares (the Table 2 split). Replies must carry
         exactly these keys.
-    aggregation : {"mean", "weighted"} (default: "mean")
+    aggregation : str or AggregationRule (default: "mean")
         ``mean``: the paper's unweighted mean over the sampled clients;
-        ``weighted``: weighted by each reply's ``num-examples``.
+        ``weighted``: weighted by each reply's ``num-examples``; or a robust rule
+        (``median``, ``trimmed-mean``, ``krum``, ``multi-krum``: see
+        :mod:`strategies.aggregation`).
     fraction_train : float (default: 1.0)
         Fraction of the connected clients sampled each round.
     min_available_nodes : int (default: 2)
@@ -182,6 +168,13 @@ class PersonalizedFedAvg(FedAvg):
     node_wait : float (default: 120)
         Seconds a round waits for missing clients to connect before it goes on
         with the connected ones.
+    server_optimizer : ServerOptimizer | None (default: None)
+        A server optimizer stepping the shared trainable parameters from the
+        broadcast towards the aggregate (:mod:`strategies.server_optimizer`).
+    expected_counts : Mapping[int, tuple[int, int]] | None (default: None)
+        Per partition id, the training images and the shared steps its reply must
+        report (what its data size and the config imply); a reply that reports
+        others is dropped. ``None``: not checked.
     """
 
     def __init__(
@@ -196,6 +189,8 @@ class PersonalizedFedAvg(FedAvg):
         drift_keys: Sequence[str] | None = None,
         seed: int = 0,
         node_wait: float = 120.0,
+        server_optimizer: ServerOptimizer | None = None,
+        expected_counts: Mapping[int, tuple[int, int]] | None = None,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train,
@@ -204,11 +199,16 @@ class PersonalizedFedAvg(FedAvg):
             min_evaluate_nodes=1,
             min_available_nodes=min_available_nodes,
         )
-        if aggregation not in ("mean", "weighted"):
-            raise ValueError(f"aggregation must be 'mean' or 'weighted', got {aggregation!r}")
+        self.rule = (aggregation if isinstance(aggregation, AggregationRule)
+                     else AggregationRule(aggregation))
         self.shared_keys = tuple(shared_keys)
         self.drift_keys = None if drift_keys is None else tuple(drift_keys)
-        self.aggregation = aggregation
+        self.aggregation = self.rule.name
+        self.server_optimizer = server_optimizer
+        if server_optimizer is not None and not set(server_optimizer.keys) <= set(shared_keys):
+            raise ValueError("the server optimizer's keys must be shared keys")
+        self.expected_counts = dict(expected_counts) if expected_counts else None
+        self.selected: list[int] = []  # the accepted replies the last aggregate used
         self.num_partitions = num_partitions or min_available_nodes
         self.min_train_replies = min_train_replies
         self.broadcast: ArrayDict | None = None
@@ -234,6 +234,17 @@ class PersonalizedFedAvg(FedAvg):
         """Arrays a checkpoint needs besides the shared block (none here)."""
         return {}
 
+    def optimizer_arrays(self) -> ArrayDict:
+        """The server optimizer's state, for a checkpoint (empty without one)."""
+        return self.server_optimizer.state_arrays() if self.server_optimizer else {}
+
+    def load_optimizer_arrays(self, state: Mapping[str, np.ndarray]) -> None:
+        if self.server_optimizer is not None:
+            self.server_optimizer.load_state_arrays(state)
+        elif state:
+            raise FedSPCError("the checkpoint holds a server optimizer's state, and this "
+                              "run has none (server-optimizer)")
+
     def load_state_dict(self, state: dict, completed_round: int,
                         global_reference: ArrayDict | None = None) -> None:
         accepted = [int(v) for v in state[ACCEPTED_ROUNDS]]
@@ -245,8 +256,9 @@ class PersonalizedFedAvg(FedAvg):
         self.run_token = str(state.get(RUN_TOKEN, ""))
 
     def summary(self) -> None:
-        log(INFO, "\t├──> Shared keys: %d (aggregation: %s)", len(self.shared_keys),
-            self.aggregation)
+        log(INFO, "\t├──> Shared keys: %d (aggregation: %s, server optimizer: %s)",
+            len(self.shared_keys), self.aggregation,
+            self.server_optimizer.name if self.server_optimizer else "none")
         super().summary()
 
     # ------------------------------------------------------------------ training
@@ -309,7 +321,27 @@ class PersonalizedFedAvg(FedAvg):
         num_examples = metrics.get(NUM_EXAMPLES)
         if not isinstance(num_examples, int) or num_examples <= 0:
             return f"'num-examples' must be a positive integer, got {num_examples!r}"
-        return self._check_partition(message, metrics.get(PARTITION_ID))
+        reason = self._check_partition(message, metrics.get(PARTITION_ID))
+        if reason is None and self.expected_counts is not None:
+            reason = self._check_counts(metrics)
+        return reason
+
+    def _check_counts(self, metrics: MetricRecord) -> str | None:
+        """Why the reply's training images or shared steps are not what its partition's
+        size and the config imply (a small reported step count would inflate its
+        reference change, and its weight under ``weighted``)."""
+        expected = self.expected_counts.get(int(metrics[PARTITION_ID]))
+        if expected is None:
+            return None
+        images, steps = expected
+        if metrics[NUM_EXAMPLES] != images:
+            return (f"'num-examples' is {metrics[NUM_EXAMPLES]}, its partition holds "
+                    f"{images} training images")
+        reported = metrics.get(SHARED_STEPS)
+        if reported != steps:
+            return (f"'{SHARED_STEPS}' is {reported!r}; its data size and the config "
+                    f"imply {steps}")
+        return None
 
     def _check_partition(self, message: Message, partition_id: object) -> str | None:
         """Why the reply's partition id is wrong; a right one is remembered for sampling."""
@@ -381,14 +413,24 @@ class PersonalizedFedAvg(FedAvg):
             weights = [float(m[NUM_EXAMPLES]) for m in metrics]
         else:
             weights = [1.0] * len(updates)
-        arrays = mean_arrays(updates, weights)
+        keys = self.drift_keys if self.drift_keys is not None else tuple(
+            k for k in self.shared_keys if np.issubdtype(updates[0][k].dtype, np.floating))
+        if self.rule.robust:
+            self.selected = self.rule.selected(updates, keys)
+            arrays = self.rule.combine([updates[i] for i in self.selected],
+                                       [weights[i] for i in self.selected])
+        else:  # the paper's rule, bit for bit
+            self.selected = list(range(len(updates)))
+            arrays = mean_arrays(updates, weights)
+        if self.server_optimizer is not None and self.broadcast is not None:
+            arrays = self.server_optimizer.step(server_round, self.broadcast, arrays)
         drift = {}
-        if self.broadcast is not None:
-            keys = self.drift_keys if self.drift_keys is not None else tuple(
-                k for k in self.shared_keys if np.issubdtype(self.broadcast[k].dtype,
-                                                             np.floating))
-            if keys:  # nothing shared (method "local"): no drift to measure
-                drift = drift_statistics(self.broadcast, updates, weights, keys)
+        if self.broadcast is not None and keys:  # method "local": nothing to measure
+            drift = drift_statistics(self.broadcast, updates, weights, keys)
+        robust = {}
+        if self.rule.robust:
+            robust = {"aggregated-client-ids": [int(metrics[i][PARTITION_ID])
+                                                for i in self.selected]}
         losses = [float(m[TRAIN_LOSS]) for m in metrics if TRAIN_LOSS in m]
         summary = MetricRecord({
             "clients": len(accepted),
@@ -400,6 +442,7 @@ class PersonalizedFedAvg(FedAvg):
             "train-client-ids": [int(m[PARTITION_ID]) for m in metrics],
             **summed_timings(metrics),
             **drift,
+            **robust,
             **accuracy_before_aggregation(metrics),
         })
         return to_record(arrays), summary

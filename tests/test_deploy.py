@@ -467,6 +467,24 @@ def test_tls_and_node_auth_deployment_trains_fedrep_with_fedspc(deployment, tmp_
     assert "round 2/2" in log and "client state on the node's disk" in log
 
 
+@pytest.mark.deploy
+def test_a_supernode_that_lies_about_its_steps_is_dropped_in_a_deployment(deployment,
+                                                                          tmp_path):
+    # Partition 0 reports one shared step (FedSPC would scale its reference change by
+    # E); the server checks E against the counts the node reported before round 1.
+    # The median and a server optimizer run through the deployment too.
+    summary = deployment.run({**RUN, "num-rounds": 1, "output-dir": str(tmp_path),
+                              "run-name": "liar", "attack": "small-steps",
+                              "attack-clients": 1, "aggregation": "median",
+                              "server-optimizer": "fedavgm", "server-momentum": 0.9},
+                             log_file=tmp_path / "run.log", timeout=1200)
+    assert summary["complete"]
+    row = json.loads((tmp_path / "liar" / "metrics.json").read_text())["rounds"][0]
+    assert row["train-dropped"] == 1 and row["train-clients"] == 1
+    assert "'shared-steps' is 1; its data size and the config imply" in " ".join(
+        row["dropped-reasons"])
+
+
 def _refused(deployment, node) -> str:
     """Run a SuperNode the SuperLink must refuse; its log, once it exited non-zero
     and the two registered nodes are still the only ones online."""

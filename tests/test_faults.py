@@ -260,11 +260,18 @@ def losses(rounds: list[dict]) -> list[float]:
 
 # 6 messages a round (3 train, 3 evaluate): the crash comes in the middle of round 2's
 # training (before its checkpoint) or of its evaluation (after the aggregation's).
-@pytest.mark.parametrize(("crash_at", "method"), [(8, "fedrep"), (10, "fedrep"),
-                                                  (8, "local")])
-def test_a_crashed_run_resumes_to_the_same_metrics(tmp, crash_at, method):
+@pytest.mark.parametrize(("crash_at", "method", "extra"), [
+    (8, "fedrep", {}), (10, "fedrep", {}), (8, "local", {}),
+    # A server optimizer's moments are in the checkpoint: killed after round 2's
+    # aggregation, the resumed run steps as the uninterrupted one.
+    (10, "fedrep", {"server-optimizer": "fedadam", "server-learning-rate": 0.05}),
+    (14, "fedper", {"server-optimizer": "fedavgm", "server-momentum": 0.9,
+                    "aggregation": "median"}),
+])
+def test_a_crashed_run_resumes_to_the_same_metrics(tmp, crash_at, method, extra):
     # method local: nothing shared, every parameter in the client state on disk.
-    overrides = {"checkpoint": True, "method": method, "fedspc": method != "local"}
+    overrides = {"checkpoint": True, "method": method, "fedspc": method != "local",
+                 **{key.replace("-", "_"): value for key, value in extra.items()}}
     _, expected, _ = run(tmp / "a", **overrides)
 
     def crashing(*args):
@@ -350,7 +357,7 @@ def test_a_resumed_run_records_each_segment_and_the_code_that_made_it(tmp, monke
     with pytest.raises(Crash):
         run(tmp, grid_type=crashing, checkpoint=True, num_rounds=2)
     first = json.loads((tmp / "run" / "config.json").read_text())
-    assert first["code"]["source-sha256"] == provenance.source_hash()
+    assert first["code"]["source-sha256"] == provenance.code_version()["source-sha256"]
     assert first["software"]["flwr"] and first["machine"]["cpu"]
     if provenance.git_origin() is not None:  # a checkout: its commit too
         assert first["code"]["git-commit"] == provenance.git_origin()["git-commit"]

@@ -31,7 +31,9 @@ def width_models_text() -> str:
     """``resnet18, resnet34 and vgg11``."""
     names = list(WIDTH_MODELS)
     return ", ".join(names[:-1]) + " and " + names[-1]
-AGGREGATIONS = ("mean", "weighted")
+AGGREGATIONS = ("mean", "weighted", "median", "trimmed-mean", "krum", "multi-krum")
+SERVER_OPTIMIZERS = ("mean", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
+ATTACKS = ("none", "scale", "sign-flip", "noise", "small-steps")
 AUGMENTS = ("auto", "none", "crop-flip")
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -83,6 +85,15 @@ class RunConfig:
     num_clients: int = 0
     fraction_train: float = 1.0
     aggregation: str = "mean"
+    trim_fraction: float = 0.1
+    byzantine_clients: int = 0
+    krum_select: int = 0
+    server_optimizer: str = "mean"
+    server_learning_rate: float = 0.0
+    server_momentum: float = 0.0
+    server_beta1: float = 0.9
+    server_beta2: float = 0.99
+    server_tau: float = 0.0
     evaluate_every: int = 1
     evaluate_fraction: float = 1.0
     evaluate_before_aggregation: bool = False
@@ -133,6 +144,11 @@ class RunConfig:
     divergence_factor: float = 100.0
     round_timeout: float = 3600.0
     node_wait: float = 120.0
+
+    # Fault injection for tests and experiments: lying clients (clients/attack.py)
+    attack: str = "none"
+    attack_clients: int = 0
+    attack_scale: float = 50.0
 
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -253,6 +269,26 @@ def validate(config: RunConfig) -> RunConfig:
     _choice("model", config.model, MODELS)
     _choice("method", config.method, tuple(METHODS))
     _choice("aggregation", config.aggregation, AGGREGATIONS)
+    _choice("server-optimizer", config.server_optimizer, SERVER_OPTIMIZERS)
+    _choice("attack", config.attack, ATTACKS)
+    if not 0.0 <= config.trim_fraction < 0.5:
+        raise ConfigError("run-config 'trim-fraction' must be in [0, 0.5), "
+                          f"got {config.trim_fraction!r}")
+    _at_least("byzantine-clients", config.byzantine_clients, 0)
+    _at_least("krum-select", config.krum_select, 0)
+    _at_least("attack-clients", config.attack_clients, 0)
+    _at_least("server-learning-rate", config.server_learning_rate, 0.0)
+    _at_least("server-momentum", config.server_momentum, 0.0)
+    _at_least("server-tau", config.server_tau, 0.0)
+    for key, beta in (("server-beta1", config.server_beta1),
+                      ("server-beta2", config.server_beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(f"run-config '{key}' must be in [0, 1), got {beta!r}")
+    if config.server_momentum >= 1.0:
+        raise ConfigError("run-config 'server-momentum' must be < 1, "
+                          f"got {config.server_momentum!r}")
+    if not math.isfinite(config.attack_scale):
+        raise ConfigError(f"run-config 'attack-scale' must be finite, got {config.attack_scale!r}")
     _choice("augment", config.augment, AUGMENTS)
     _choice("device", config.device, DEVICES)
     _choice("precision", config.precision, PRECISIONS)

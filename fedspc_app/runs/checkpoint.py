@@ -33,7 +33,7 @@ from fedspc_app.runs.runfolder import CHECKPOINT_JSON
 
 FORMAT_VERSION = 1
 TRAINED, COMPLETE = "trained", "complete"
-SHARED, REFERENCE = "shared/", "reference/"
+SHARED, REFERENCE, OPTIMIZER = "shared/", "reference/", "optimizer/"
 
 # Run-config keys a resumed run may change: where things live, how long it runs,
 # how patient it is. Any other difference means another experiment.
@@ -69,6 +69,8 @@ class Checkpoint:
     # replies' fate as a RoundReport's fields, the bytes it sent and received), so a
     # round resumed between training and evaluation records them as if uninterrupted.
     trained: dict[str, Any] | None = None
+    # The server optimizer's state (strategies/server_optimizer.py), by key.
+    optimizer: ArrayDict = field(default_factory=dict)
 
 
 def _arrays_name(server_round: int) -> str:
@@ -83,6 +85,7 @@ def write_checkpoint(run_dir: Path, checkpoint: Checkpoint, identity: dict[str, 
     if new_arrays or not (run_dir / name).is_file():
         arrays = {SHARED + k: v for k, v in checkpoint.shared.items()}
         arrays.update({REFERENCE + k: v for k, v in checkpoint.global_reference.items()})
+        arrays.update({OPTIMIZER + k: v for k, v in checkpoint.optimizer.items()})
         with atomic_open(run_dir / name) as handle:
             np.savez(handle, **arrays)
     payload = {
@@ -138,6 +141,8 @@ def read_checkpoint(run_dir: Path, identity: dict[str, Any]) -> Checkpoint | Non
         shared={k[len(SHARED):]: v for k, v in arrays.items() if k.startswith(SHARED)},
         global_reference={k[len(REFERENCE):]: v for k, v in arrays.items()
                           if k.startswith(REFERENCE)},
+        optimizer={k[len(OPTIMIZER):]: v for k, v in arrays.items()
+                   if k.startswith(OPTIMIZER)},
         strategy=payload["strategy"],
         failed_streak=int(payload["failed-streak"]),
         rounds=list(payload["rounds"]),
@@ -194,6 +199,7 @@ class RoundRecords:
         write_checkpoint(self.recorder.run_dir, Checkpoint(
             round=server_round, phase=phase, shared=self.shared,
             global_reference=self.strategy.state_arrays(),
+            optimizer=self.strategy.optimizer_arrays(),
             strategy=self.strategy.state_dict(), failed_streak=self.failed_streak,
             rounds=self.recorder.rounds, elapsed_seconds=self.recorder.elapsed,
             train_metrics=dict(train_metrics) if train_metrics is not None else None,

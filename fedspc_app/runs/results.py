@@ -322,6 +322,9 @@ class RunRecorder:
                 row[CHECKPOINT_SECONDS] = round(float(train[CHECKPOINT_SECONDS]), 4)
             if "global-reference-norm" in train:
                 row["global-reference-norm"] = float(train["global-reference-norm"])
+            if "aggregated-client-ids" in train:  # a robust rule's choice (Krum)
+                row["aggregated-client-ids"] = [int(i) for i in
+                                                train["aggregated-client-ids"]]
         if evaluate is not None:
             for key in ("accuracy", "weighted-accuracy", "loss"):
                 row[key] = _clean(float(evaluate[key]))
