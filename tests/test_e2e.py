@@ -11,6 +11,7 @@ import math
 import os
 import statistics
 
+import numpy as np
 import pytest
 
 from fedspc_app.launch.superlink import LocalSuperLink, flwr_run, run_simulation
@@ -123,3 +124,31 @@ def test_every_method_runs_in_the_simulation_engine(superlink, tmp_path, method,
     assert ("global-reference-norm" in rounds[-1]) == (fedspc or method == "scaffold")
     if "global-reference-norm" in rounds[-1]:
         assert all(r["global-reference-norm"] > 0 for r in rounds)  # u_bar moved
+
+
+@pytest.mark.slow
+def test_a_robust_rule_a_server_optimizer_and_an_attacker_run_through_flwr_run(
+        superlink, tmp_path):
+    summary = run_simulation(
+        {"num-rounds": 2, "local-epochs": 1, "method": "fedrep", "fedspc": True,
+         "aggregation": "trimmed-mean", "trim-fraction": 0.25,
+         "server-optimizer": "fedadam", "server-learning-rate": 0.01,
+         "attack": "sign-flip", "attack-clients": 1,
+         "output-dir": str(tmp_path), "run-name": "robust"},
+        superlink=superlink, clients=4, client_cpus=1, log_file=tmp_path / "run.log",
+        timeout=600)
+    assert summary["complete"]
+    run_dir = tmp_path / "robust"
+    rounds = json.loads((run_dir / "metrics.json").read_text())["rounds"]
+    assert all(r["train-clients"] == 4 and not r["train-dropped"] for r in rounds)
+    assert all(r["global-reference-norm"] > 0 for r in rounds)
+    recorded = json.loads((run_dir / "config.json").read_text())["run-config"]
+    assert (recorded["aggregation"], recorded["server-optimizer"]) == ("trimmed-mean",
+                                                                       "fedadam")
+    # The optimizer's moments are in the checkpoint, one pair per corrected key.
+    checkpoint = json.loads((run_dir / "checkpoint.json").read_text())
+    with np.load(run_dir / checkpoint["arrays"]) as arrays:
+        names = list(arrays.files)
+    moments = [n for n in names if n.startswith("optimizer/")]
+    references = [n for n in names if n.startswith("reference/")]
+    assert len(moments) == 2 * len(references) > 0
