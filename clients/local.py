@@ -26,6 +26,7 @@ from fedspc_app.core.config import RunConfig
 from fedspc_app.core.correction import add, reference_change, shared_update, zeros_like
 from fedspc_app.core.errors import DivergenceError
 from fedspc_app.core.methods import Method, Phase
+from fedspc_app.core.privacy import clip_update
 from fedspc_app.core.protocol import (
     EXAMPLES_SEEN,
     LOCAL_CORRECT,
@@ -118,10 +119,11 @@ def expected_shared_steps(method: Method, config: RunConfig, split: ParameterSpl
                           train_images: int) -> int:
     """E_k, the optimizer steps a client with ``train_images`` training images takes on
     the shared block in a round: each phase that updates it runs its epochs of
-    ceil(images / batch-size) batches (what :func:`train_client` counts). The server
+    ceil(images / batch-size) batches, or ``local-steps`` steps (what
+    :func:`train_client` counts). The server
     checks the replies' reported steps against it."""
     batches = math.ceil(train_images / config.batch_size)
-    return sum(int(getattr(config, phase.epochs)) * batches
+    return sum((config.local_steps or int(getattr(config, phase.epochs)) * batches)
                for phase in method.phases if updates_shared(phase, split))
 
 
@@ -226,6 +228,9 @@ def train_client(
         shared_phase = updates_shared(phase, split)
         if correction is not None and shared_phase:
             hooks.append(DriftCorrection({k: correction[k] for k in trainable if k in correction}))
+        # local-steps: the shared phase takes exactly that many steps (every client the
+        # same E, which differential privacy needs); the other phases run their epochs.
+        fixed = config.local_steps if shared_phase else 0
         try:
             result = train_epochs(
                 target,
@@ -234,6 +239,7 @@ def train_client(
                 trainable=trainable,
                 hooks=hooks,
                 loss_fn=loss_fn,
+                max_steps=fixed,
                 **config.step_options,
             )
         except DivergenceError as error:
@@ -246,6 +252,10 @@ def train_client(
             examples_seen += result.examples
 
     final_shared = state_arrays(model, split.shared)
+    if config.dp and config.dp_clipping == "client":
+        # Clipped before u_k is staged: u_k follows the update the server sees.
+        final_shared = clip_update(final_shared, received, split.corrected,
+                                   config.dp_clipping_norm)
     local = {}
     if config.evaluate_before_aggregation and not method.personal_model:
         # The model this client trained (its shared block before the server's averaging).

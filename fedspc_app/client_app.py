@@ -165,7 +165,8 @@ class ClientSetup:
                                       run_token=str(message_config(message).get(RUN_TOKEN, "")),
                                       client_state_dir=config.client_state_dir)
         split = parameter_split(model, method, shared_keys=config.shared_keys,
-                                personal_keys=config.personal_keys)
+                                personal_keys=config.personal_keys,
+                                local_buffers=config.dp)
         return cls(config, method, data, split, model,
                    partition_id, int(message_config(message).get(SERVER_ROUND, 0)),
                    store=store, deployment=deployment)

@@ -129,7 +129,8 @@ def open_run(run_dir: str | Path) -> RunFolder:
     shape = KNOWN_SHAPES[config.dataset]
     model = make_model(config, shape)
     split = parameter_split(model, method, shared_keys=config.shared_keys,
-                            personal_keys=config.personal_keys)
+                            personal_keys=config.personal_keys,
+                            local_buffers=config.dp)
     if set(checkpoint.shared) != set(split.shared):
         raise ExportError(f"the checkpoint in {path} does not hold this run's shared block "
                           f"({len(checkpoint.shared)} entries, the model shares "

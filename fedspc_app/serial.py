@@ -63,7 +63,8 @@ class _Clients:
         load_partition(config, num_clients)
         self.model = make_model(config, dataset)
         self.split = parameter_split(self.model, self.method, shared_keys=config.shared_keys,
-                                     personal_keys=config.personal_keys)
+                                     personal_keys=config.personal_keys,
+                                     local_buffers=config.dp)
         # Every client starts from the common initial model (a fresh model in the apps).
         self.initial = state_arrays(self.model, self.model.state_dict().keys())
         self.data = [client_data(config, k, num_clients) for k in range(num_clients)]

@@ -36,6 +36,7 @@ from fedspc_app.data.partition_files import save_partition
 from fedspc_app.data.run_data import DatasetShape, load_partition
 from fedspc_app.models.run_model import make_model, state_arrays
 from fedspc_app.models.split import ParameterSplit, parameter_split
+from fedspc_app.runs import privacy
 from fedspc_app.runs.checkpoint import TRAINED, RoundRecords, fingerprint, resume_point
 from fedspc_app.runs.pause import RunPaused, clear_pause
 from fedspc_app.runs.provenance import provenance
@@ -61,6 +62,7 @@ from strategies import (
     AggregationRule,
     FedSPC,
     PersonalizedFedAvg,
+    Privacy,
     RoundReport,
     ServerOptimizer,
     run_rounds,
@@ -99,6 +101,9 @@ def build_strategy(config: RunConfig, method: Method, split: ParameterSplit,
         node_wait=config.node_wait,
         server_optimizer=optimizer,
         expected_counts=expected,
+        privacy=(Privacy(config.dp_clipping_norm, config.dp_noise_multiplier,
+                         config.local_steps, clip_on_server=config.dp_clipping == "server",
+                         seed=config.seed) if config.dp else None),
     )
     if method.control_variates or config.fedspc:
         return FedSPC(corrected_keys=split.corrected, learning_rate=config.learning_rate,
@@ -188,7 +193,8 @@ def check_run(grid: Grid, context: Context) -> CheckedRun:
                  "test": int(dataset.test_labels.shape[0])}
     model = make_model(config, shape)
     split = parameter_split(model, method, shared_keys=config.shared_keys,
-                            personal_keys=config.personal_keys)
+                            personal_keys=config.personal_keys,
+                            local_buffers=config.dp)
     check_server_evaluation(config, split, dataset)
     return CheckedRun(config, method, deployment, num_clients, shape, sizes, partition,
                       model, split, warming, dataset)
@@ -205,6 +211,7 @@ def train(grid: Grid, checked: CheckedRun) -> None:
     strategy = build_strategy(config, method, split, num_clients,
                               train_sizes(checked.partition))
     try:
+        num_rounds = privacy_budget(config, recorder)
         resumed = resume_point(config, identity)
         if resumed is not None:
             strategy.load_state_dict(resumed.strategy, resumed.round,
@@ -236,6 +243,12 @@ def train(grid: Grid, checked: CheckedRun) -> None:
         "personal-keys": list(split.personal),
         "resumed-after-round": resumed.round if resumed else 0,
         "precision": precision,
+        **({"privacy": {
+            "clipping-norm": config.dp_clipping_norm, "clipping": config.dp_clipping,
+            "noise-multiplier": config.dp_noise_multiplier, "delta": config.dp_delta,
+            "local-steps": config.local_steps, "rounds": num_rounds,
+            "accountant": "dp_accounting RDP, Gaussian, Poisson-sampled at fraction-train",
+            "shared-keys-released": list(split.corrected)}} if config.dp else {}),
         # Which code, software and machine made it (each start of the run: segments).
         **made_by,
         # The server's own settings; each client applies the same key for itself.
@@ -281,7 +294,7 @@ def train(grid: Grid, checked: CheckedRun) -> None:
         run_rounds(
             strategy, traffic,
             arrays=to_record(initial),
-            num_rounds=config.num_rounds,
+            num_rounds=num_rounds,
             first_round=resumed.round + (0 if evaluate_first else 1) if resumed else 1,
             evaluate_first=evaluate_first,
             resumed_train_metrics=(MetricRecord(resumed.train_metrics)
@@ -312,6 +325,35 @@ def train(grid: Grid, checked: CheckedRun) -> None:
     recorder.finish(can_extend=config.checkpoint and not remove)
     if remove:
         shutil.rmtree(client_state_folder(config), ignore_errors=True)
+
+
+def privacy_budget(config: RunConfig, recorder: RunRecorder) -> int:
+    """The rounds this run trains: ``num-rounds``, or fewer where ``dp-target-epsilon``
+    would be exceeded (the run then ends cleanly before that round); under
+    differential privacy the recorder reports ε after every round."""
+    if not config.dp:
+        return config.num_rounds
+    def account(rounds: int) -> float:
+        return privacy.epsilon(config.dp_noise_multiplier, config.fraction_train, rounds,
+                               config.dp_delta)
+
+    recorder.dp_epsilon = account
+    if not config.dp_target_epsilon:
+        return config.num_rounds
+    allowed = privacy.rounds_within(config.dp_target_epsilon, config.dp_noise_multiplier,
+                                    config.fraction_train, config.dp_delta, config.num_rounds)
+    if allowed < config.num_rounds:
+        recorder.num_rounds = allowed
+        recorder.stopped_by = (f"dp-target-epsilon {config.dp_target_epsilon:g}: round "
+                               f"{allowed + 1} would reach ε {account(allowed + 1):.3g}")
+        log(WARNING, "The privacy budget (dp-target-epsilon = %g, dp-delta = %g) allows %d "
+            "of the %d rounds: the run ends after round %d (ε %.3g)",
+            config.dp_target_epsilon, config.dp_delta, allowed, config.num_rounds, allowed,
+            account(allowed))
+    if allowed == 0:
+        raise ConfigError(f"dp-target-epsilon = {config.dp_target_epsilon:g} allows no round "
+                          f"(one round already reaches ε {account(1):.3g})")
+    return allowed
 
 
 def client_state_folder(config: RunConfig) -> Path:

@@ -53,7 +53,8 @@ def main() -> None:
         method = get_method(config.method)
         model = make_model(config, KNOWN_SHAPES[config.dataset])
         split = parameter_split(model, method, shared_keys=config.shared_keys,
-                                personal_keys=config.personal_keys)
+                                personal_keys=config.personal_keys,
+                                local_buffers=config.dp)
         state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
         rng = np.random.default_rng(0)
 

@@ -10,9 +10,9 @@
 
 from strategies.aggregation import AggregationRule, mean_arrays
 from strategies.fedspc import FedSPC
-from strategies.personalized import PersonalizedFedAvg, RoundReport
+from strategies.personalized import PersonalizedFedAvg, Privacy, RoundReport
 from strategies.rounds import TooManyFailedRounds, run_rounds
 from strategies.server_optimizer import ServerOptimizer
 
-__all__ = ["AggregationRule", "FedSPC", "PersonalizedFedAvg", "RoundReport",
+__all__ = ["AggregationRule", "FedSPC", "PersonalizedFedAvg", "Privacy", "RoundReport",
            "ServerOptimizer", "TooManyFailedRounds", "mean_arrays", "run_rounds"]

@@ -20,6 +20,11 @@ follows the same rule: the sum of the changes is replaced by the number of accep
 replies times the coordinate-wise median or trimmed mean of the changes, or the mean
 of the changes of the clients Krum selects. A server optimizer moves theta_s only.
 
+Under differential privacy (``privacy``) u_bar is computed from the privatized
+aggregate only: every client takes the same public number of steps E, so the sum of
+the changes is ``-m u_bar - m mean~/(E eta)`` with ``mean~`` the noised mean update,
+post-processing of what is released (the clients' u_k follow Algorithm 1).
+
 SCAFFOLD is this strategy with every parameter shared.
 """
 
@@ -167,7 +172,15 @@ class FedSPC(PersonalizedFedAvg):
         (step 4); a failed round changes neither."""
         arrays, metrics = super().aggregate_accepted(server_round, accepted)
         changes: Iterable[ArrayDict] = (self.reference_change_of(m) for m in accepted)
-        if self.rule.robust:
+        if self.privacy is not None:
+            # Differential privacy: from the privatized aggregate alone. Every client
+            # took the same public E steps, so sum_k (u_k' - u_k) = -m u_bar -
+            # sum_k Delta theta_k / (E eta), with m times the noised mean for the sum.
+            delta = shared_update(self.privatized, self.broadcast, self.corrected_keys)
+            change = reference_change(delta, self.global_reference, steps=self.privacy.steps,
+                                      learning_rate=self.learning_rate)
+            changes = [{k: v.astype(np.float64) * len(accepted) for k, v in change.items()}]
+        elif self.rule.robust:
             # The sum over the accepted replies' changes, replaced by their count
             # times the rule's centre of the changes (Krum: of the selected ones).
             changes = [robust_reference_sum(self.rule, list(changes), self.selected,

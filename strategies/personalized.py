@@ -33,6 +33,7 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
 from fedspc_app.core.errors import FedSPCError
+from fedspc_app.core.privacy import add_noise, clip_update, noise_std, update_norm
 from fedspc_app.core.protocol import (
     ACCEPTED_ROUNDS,
     ARRAYS,
@@ -61,6 +62,34 @@ from strategies.sampling import PartitionSampler
 from strategies.server_optimizer import ServerOptimizer
 
 EVALUATION_KEYS = (NUM_EXAMPLES, CORRECT, LOSS_SUM, PARTITION_ID)
+
+
+@dataclass(frozen=True)
+class Privacy:
+    """Client-level differential privacy of the shared block
+    (:mod:`fedspc_app.core.privacy`).
+
+    Parameters
+    ----------
+    clipping_norm : float
+        C, the L2 bound of each client's update of the shared trainable parameters.
+    noise_multiplier : float
+        σ: the unweighted mean of the m accepted updates gets Gaussian noise of
+        standard deviation σ·C/m on every coordinate.
+    steps : int
+        The shared steps every client takes (``local-steps``), public, so that FedSPC's
+        u_bar is computed from the privatized aggregate alone.
+    clip_on_server : bool (default: False)
+        Clip on the server (a trusted server) instead of trusting the clients' clipping.
+    seed : int (default: 0)
+        Seeds the noise with the round: a resumed run draws the same noise.
+    """
+
+    clipping_norm: float
+    noise_multiplier: float
+    steps: int
+    clip_on_server: bool = False
+    seed: int = 0
 
 
 def optional_accuracy(metrics: Sequence[MetricRecord], correct: str, examples: str,
@@ -175,6 +204,10 @@ class PersonalizedFedAvg(FedAvg):
         Per partition id, the training images and the shared steps its reply must
         report (what its data size and the config imply); a reply that reports
         others is dropped. ``None``: not checked.
+    privacy : Privacy | None (default: None)
+        Client-level differential privacy: the mean of the (clipped) updates gets
+        Gaussian noise, and nothing computed from single clients' updates is
+        reported (the drift diagnostics are the privatized aggregate's norm only).
     """
 
     def __init__(
@@ -191,6 +224,7 @@ class PersonalizedFedAvg(FedAvg):
         node_wait: float = 120.0,
         server_optimizer: ServerOptimizer | None = None,
         expected_counts: Mapping[int, tuple[int, int]] | None = None,
+        privacy: Privacy | None = None,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train,
@@ -209,6 +243,10 @@ class PersonalizedFedAvg(FedAvg):
             raise ValueError("the server optimizer's keys must be shared keys")
         self.expected_counts = dict(expected_counts) if expected_counts else None
         self.selected: list[int] = []  # the accepted replies the last aggregate used
+        self.privacy = privacy
+        if privacy is not None and self.rule.name != "mean":
+            raise ValueError("differential privacy needs the unweighted mean")
+        self.privatized: ArrayDict | None = None  # the last noised mean, before any step
         self.num_partitions = num_partitions or min_available_nodes
         self.min_train_replies = min_train_replies
         self.broadcast: ArrayDict | None = None
@@ -415,7 +453,10 @@ class PersonalizedFedAvg(FedAvg):
             weights = [1.0] * len(updates)
         keys = self.drift_keys if self.drift_keys is not None else tuple(
             k for k in self.shared_keys if np.issubdtype(updates[0][k].dtype, np.floating))
-        if self.rule.robust:
+        if self.privacy is not None:
+            self.selected = list(range(len(updates)))
+            arrays = self.private_mean(server_round, updates, keys)
+        elif self.rule.robust:
             self.selected = self.rule.selected(updates, keys)
             arrays = self.rule.combine([updates[i] for i in self.selected],
                                        [weights[i] for i in self.selected])
@@ -425,7 +466,10 @@ class PersonalizedFedAvg(FedAvg):
         if self.server_optimizer is not None and self.broadcast is not None:
             arrays = self.server_optimizer.step(server_round, self.broadcast, arrays)
         drift = {}
-        if self.broadcast is not None and keys:  # method "local": nothing to measure
+        if self.privacy is not None and keys:
+            # Only the released aggregate's own norm: per-client figures would leak.
+            drift = {"update-norm": update_norm(self.privatized, self.broadcast, keys)}
+        elif self.broadcast is not None and keys:  # method "local": nothing to measure
             drift = drift_statistics(self.broadcast, updates, weights, keys)
         robust = {}
         if self.rule.robust:
@@ -446,6 +490,19 @@ class PersonalizedFedAvg(FedAvg):
             **accuracy_before_aggregation(metrics),
         })
         return to_record(arrays), summary
+
+    def private_mean(self, server_round: int, updates: Sequence[ArrayDict],
+                     keys: Sequence[str]) -> ArrayDict:
+        """The unweighted mean of the (clipped) updates with Gaussian noise σ·C/m on
+        every coordinate of ``keys`` (:class:`Privacy`); kept in :attr:`privatized`."""
+        privacy = self.privacy
+        if privacy.clip_on_server:
+            updates = [clip_update(u, self.broadcast, keys, privacy.clipping_norm)
+                       for u in updates]
+        mean = mean_arrays(updates, [1.0] * len(updates))
+        std = noise_std(privacy.noise_multiplier, privacy.clipping_norm, len(updates))
+        self.privatized = add_noise(mean, keys, std, (privacy.seed, server_round))
+        return self.privatized
 
     # ---------------------------------------------------------------- evaluation
     def check_evaluation(self, message: Message) -> str | None:

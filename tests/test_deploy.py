@@ -485,6 +485,20 @@ def test_a_supernode_that_lies_about_its_steps_is_dropped_in_a_deployment(deploy
         row["dropped-reasons"])
 
 
+@pytest.mark.deploy
+def test_differential_privacy_runs_in_a_deployment(deployment, tmp_path):
+    summary = deployment.run({**RUN, "num-rounds": 1, "output-dir": str(tmp_path),
+                              "run-name": "private", "local-steps": 2,
+                              "dp-clipping-norm": 1.0, "dp-noise-multiplier": 0.1},
+                             log_file=tmp_path / "run.log", timeout=1200)
+    assert summary["complete"] and summary["dp-epsilon"] > 0
+    row = json.loads((tmp_path / "private" / "metrics.json").read_text())["rounds"][0]
+    assert row["train-clients"] == 2 and row["global-reference-norm"] > 0
+    assert "update-norm" in row and "client-update-norms" not in row
+    config = json.loads((tmp_path / "private" / "config.json").read_text())
+    assert config["privacy"]["noise-multiplier"] == 0.1
+
+
 def _refused(deployment, node) -> str:
     """Run a SuperNode the SuperLink must refuse; its log, once it exited non-zero
     and the two registered nodes are still the only ones online."""

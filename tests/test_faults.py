@@ -267,6 +267,8 @@ def losses(rounds: list[dict]) -> list[float]:
     (10, "fedrep", {"server-optimizer": "fedadam", "server-learning-rate": 0.05}),
     (14, "fedper", {"server-optimizer": "fedavgm", "server-momentum": 0.9,
                     "aggregation": "median"}),
+    # Differential privacy: the seeded noise and the privacy account continue.
+    (10, "fedrep", {"local-steps": 3, "dp-clipping-norm": 0.5, "dp-noise-multiplier": 0.1}),
 ])
 def test_a_crashed_run_resumes_to_the_same_metrics(tmp, crash_at, method, extra):
     # method local: nothing shared, every parameter in the client state on disk.
@@ -288,6 +290,7 @@ def test_a_crashed_run_resumes_to_the_same_metrics(tmp, crash_at, method, extra)
     # which already separates two uninterrupted runs in one process (~1e-5 by round 3).
     assert accuracies(resumed) == accuracies(expected)
     assert losses(resumed) == pytest.approx(losses(expected), rel=1e-4)
+    assert [r.get("dp-epsilon") for r in resumed] == [r.get("dp-epsilon") for r in expected]
     assert not (tmp / "b" / "run" / "client-state").exists()  # removed once complete
 
 

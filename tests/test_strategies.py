@@ -164,7 +164,7 @@ def test_weighted_mean_uses_num_examples():
 
 def test_unknown_aggregation_is_rejected():
     with pytest.raises(ValueError, match="aggregation"):
-        PersonalizedFedAvg(shared_keys=[W], aggregation="median")
+        PersonalizedFedAvg(shared_keys=[W], aggregation="mode")
 
 
 def test_mean_arrays_keeps_dtypes_and_rounds_integers():

@@ -34,6 +34,7 @@ def width_models_text() -> str:
 AGGREGATIONS = ("mean", "weighted", "median", "trimmed-mean", "krum", "multi-krum")
 SERVER_OPTIMIZERS = ("mean", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
 ATTACKS = ("none", "scale", "sign-flip", "noise", "small-steps")
+DP_CLIPPING = ("client", "server")
 AUGMENTS = ("auto", "none", "crop-flip")
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -111,6 +112,7 @@ class RunConfig:
     # Local training
     batch_size: int = 64
     local_epochs: int = 5
+    local_steps: int = 0
     learning_rate: float = 0.02
     momentum: float = 0.0
     weight_decay: float = 0.0
@@ -145,12 +147,24 @@ class RunConfig:
     round_timeout: float = 3600.0
     node_wait: float = 120.0
 
+    # Client-level differential privacy of the shared block (strategies/privacy.py)
+    dp_clipping_norm: float = 0.0
+    dp_noise_multiplier: float = 0.0
+    dp_clipping: str = "client"
+    dp_delta: float = 1e-5
+    dp_target_epsilon: float = 0.0
+
     # Fault injection for tests and experiments: lying clients (clients/attack.py)
     attack: str = "none"
     attack_clients: int = 0
     attack_scale: float = 50.0
 
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def dp(self) -> bool:
+        """Whether client-level differential privacy is on (``dp-clipping-norm`` > 0)."""
+        return self.dp_clipping_norm > 0
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -261,6 +275,38 @@ def _at_least(key: str, value: float, low: float, *, strict: bool = False) -> No
         raise ConfigError(f"run-config '{key}' must be {relation} {low:g}, got {value!r}")
 
 
+def _check_privacy(config: RunConfig) -> None:
+    """The settings of differential privacy, and what it cannot honour."""
+    if not config.dp_clipping_norm >= 0.0:  # inf allowed: no clipping (for tests)
+        raise ConfigError("run-config 'dp-clipping-norm' must be >= 0 (inf: no clipping), "
+                          f"got {config.dp_clipping_norm!r}")
+    _at_least("dp-noise-multiplier", config.dp_noise_multiplier, 0.0)
+    _at_least("dp-target-epsilon", config.dp_target_epsilon, 0.0)
+    if not 0.0 < config.dp_delta < 1.0:
+        raise ConfigError(f"run-config 'dp-delta' must be in (0, 1), got {config.dp_delta!r}")
+    if not config.dp:
+        if config.dp_noise_multiplier or config.dp_target_epsilon:
+            raise ConfigError("run-config 'dp-noise-multiplier' and 'dp-target-epsilon' need "
+                              "'dp-clipping-norm' > 0 (differential privacy is off without it)")
+        return
+    refusals = []
+    if config.local_steps == 0:
+        refusals.append("'local-steps' > 0 (every client the same number of steps, so "
+                        "that u_bar is computed from the privatized aggregate alone)")
+    if config.aggregation != "mean":
+        refusals.append(f"'aggregation' = 'mean' (the noise is calibrated for an "
+                        f"unweighted mean; got {config.aggregation!r})")
+    if config.fedspc_upload != "derived":
+        refusals.append("'fedspc-upload' = 'derived' (an uploaded reference change would "
+                        "leave the server unclipped and unnoised)")
+    if config.dp_noise_multiplier > 0 and math.isinf(config.dp_clipping_norm):
+        refusals.append("a finite 'dp-clipping-norm' when 'dp-noise-multiplier' > 0 "
+                        "(the noise is sigma times it)")
+    if refusals:
+        raise ConfigError("differential privacy (dp-clipping-norm > 0) needs "
+                          + "; ".join(refusals))
+
+
 def validate(config: RunConfig) -> RunConfig:
     """Check ranges and names; return the config unchanged or raise ConfigError."""
     from fedspc_app.core.methods import METHODS  # the registry imports this module
@@ -271,6 +317,9 @@ def validate(config: RunConfig) -> RunConfig:
     _choice("aggregation", config.aggregation, AGGREGATIONS)
     _choice("server-optimizer", config.server_optimizer, SERVER_OPTIMIZERS)
     _choice("attack", config.attack, ATTACKS)
+    _choice("dp-clipping", config.dp_clipping, DP_CLIPPING)
+    _at_least("local-steps", config.local_steps, 0)
+    _check_privacy(config)
     if not 0.0 <= config.trim_fraction < 0.5:
         raise ConfigError("run-config 'trim-fraction' must be in [0, 0.5), "
                           f"got {config.trim_fraction!r}")

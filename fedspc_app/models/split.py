@@ -8,6 +8,7 @@ run-config may declare its own split with key patterns (``shared-keys``,
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -102,8 +103,12 @@ def declared_split(keys: Iterable[str], shared: str = "",
 
 
 def parameter_split(model: nn.Module, method: Method, *, shared_keys: str = "",
-                    personal_keys: str = "") -> ParameterSplit:
+                    personal_keys: str = "", local_buffers: bool = False) -> ParameterSplit:
     """Split ``model``'s state-dict keys for ``method``.
+
+    ``local_buffers`` (differential privacy): the shared block's buffers (BatchNorm
+    statistics, counters) stay with each client, as FedBN keeps them, so that only
+    clipped and noised trainable parameters are released.
 
     By default the split is the method's (the paper's Table 2). With ``shared_keys`` or
     ``personal_keys`` (the run-config's patterns, see :func:`declared_split`) the declared
@@ -119,11 +124,25 @@ def parameter_split(model: nn.Module, method: Method, *, shared_keys: str = "",
         if not any(key in parameters for key in shared):
             raise ConfigError("the declared shared block has no trainable parameter; "
                               "nothing would be learned together")
-        return ParameterSplit(body, head, shared, personal, parameters)
+        return _buffers_local(ParameterSplit(body, head, shared, personal, parameters),
+                              local_buffers)
     body, head = split_body_head(model)
     everything = body + head
     shared_set = set({"all": everything, "body": body, "head": head,
                       "none": ()}[method.shared])
     personal = tuple(key for key in keys if key not in shared_set)
     shared = tuple(key for key in keys if key in shared_set)
-    return ParameterSplit(body, head, shared, personal, parameters)
+    return _buffers_local(ParameterSplit(body, head, shared, personal, parameters),
+                          local_buffers)
+
+
+def _buffers_local(split: ParameterSplit, local_buffers: bool) -> ParameterSplit:
+    if not local_buffers:
+        return split
+    buffers = {key for key in split.shared if key not in split.parameters}
+    if not buffers:
+        return split
+    return dataclasses.replace(
+        split, shared=tuple(k for k in split.shared if k not in buffers),
+        personal=tuple(k for k in (*split.personal, *split.shared) if k not in split.shared
+                       or k in buffers))

@@ -61,7 +61,7 @@ SCALAR_COLUMNS = (
     "round-seconds", "elapsed-seconds", "failed", "train-dropped", "evaluate-dropped",
     *DRIFT_COLUMNS, "global-reference-norm", "accuracy-before-aggregation", "global-accuracy",
     *SERVER_COLUMNS, *TIMING_COLUMNS,
-    CHECKPOINT_SECONDS,
+    CHECKPOINT_SECONDS, "dp-epsilon",
 )
 
 
@@ -246,6 +246,12 @@ class RunRecorder:
         self.started = time.perf_counter()
         self.last = self.started
         self.scalars = RoundScalars()  # TensorBoard (run-config 'tensorboard')
+        # The rounds this run trains: num-rounds, or fewer when a privacy budget
+        # (dp-target-epsilon) allows fewer (then ``stopped_by`` says so).
+        self.num_rounds = config.num_rounds
+        self.stopped_by: str | None = None
+        # Differential privacy: epsilon after a given number of rounds.
+        self.dp_epsilon: Callable[[int], float] | None = None
 
     # ------------------------------------------------------------------ files
     def start(self, extra: Mapping[str, Any] | None = None, *,
@@ -301,6 +307,8 @@ class RunRecorder:
             row["evaluate-dropped"] = report.evaluate_dropped
             if report.reasons:
                 row["dropped-reasons"] = list(report.reasons)
+        if self.dp_epsilon is not None:  # every round counts, a failed one too
+            row["dp-epsilon"] = _clean(self.dp_epsilon(server_round))
         if train is not None:
             row["train-loss"] = _clean(float(train.get("train-loss", float("nan"))))
             row["train-clients"] = int(train.get("clients", 0))
@@ -348,7 +356,7 @@ class RunRecorder:
         self.echo(self.progress_line(row))
 
     def progress_line(self, row: Mapping[str, Any]) -> str:
-        total = self.config.num_rounds
+        total = self.num_rounds
         done = row["round"]
         mean = row["elapsed-seconds"] / max(done, 1)
         eta = format_duration(mean * (total - done))
@@ -362,7 +370,9 @@ class RunRecorder:
                 f" | accuracy {acc_text} | loss {loss_text}"
                 f" | sent {row['bytes-sent'] / 1e6:.1f} MB, received "
                 f"{row['bytes-received'] / 1e6:.1f} MB"
-                f" | {row['round-seconds']:.1f} s | ETA {eta}")
+                + (f" | ε {row['dp-epsilon']:.2f}" if row.get("dp-epsilon") is not None
+                   else "")
+                + f" | {row['round-seconds']:.1f} s | ETA {eta}")
 
     def finish(self, *, can_extend: bool | None = None,
                paused: int | None = None) -> dict[str, Any]:
@@ -372,7 +382,7 @@ class RunRecorder:
         round after which the run stopped on request (``paused-after-round``)."""
         evaluated = [r for r in self.rounds if r.get("accuracy") is not None]
         summary: dict[str, Any] = {
-            "complete": len(self.rounds) >= self.config.num_rounds,
+            "complete": len(self.rounds) >= self.num_rounds,
             "rounds": len(self.rounds),
             "wall-seconds": round(time.perf_counter() - self.started, 3),
             "method": self.config.label,
@@ -381,6 +391,12 @@ class RunRecorder:
             summary["can-extend"] = can_extend
         if paused is not None:
             summary["paused-after-round"] = paused
+        if self.stopped_by and len(self.rounds) >= self.num_rounds:
+            summary["stopped-by"] = self.stopped_by
+        epsilons = [r["dp-epsilon"] for r in self.rounds if r.get("dp-epsilon") is not None]
+        if epsilons:
+            summary["dp-epsilon"] = epsilons[-1]
+            summary["dp-delta"] = self.config.dp_delta
         if evaluated:
             final = evaluated[-1]
             best = max(evaluated, key=lambda r: r["accuracy"])

@@ -16,6 +16,7 @@ every hook.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -146,8 +147,11 @@ def train_epochs(
     precision: str = "fp32",
     channels_last: bool = False,
     divergence_factor: float = 0.0,
+    max_steps: int = 0,
 ) -> EpochsResult:
-    """Train ``model`` for ``epochs`` passes with SGD on the ``trainable`` parameters.
+    """Train ``model`` for ``epochs`` passes with SGD on the ``trainable`` parameters,
+    or, with ``max_steps`` > 0, for exactly that many steps, passing over the data as
+    often as it takes (``local-steps``; ``epochs`` is then ignored).
 
     Parameters not named in ``trainable`` are frozen for the duration of the call
     (``requires_grad`` is restored afterwards). The model is in training mode, so
@@ -177,7 +181,7 @@ def train_epochs(
     steps, examples, loss_sum = 0, 0, 0.0
     first_loss: float | None = None
     try:
-        if not trainable or epochs <= 0:
+        if not trainable or (epochs <= 0 and max_steps <= 0):
             return EpochsResult(0, 0, 0.0)
         optimizer = SGD(
             [named[name] for name in named if name in trainable],
@@ -187,9 +191,15 @@ def train_epochs(
         )
         model.train()
         memory_format = _memory_format(model, channels_last)
-        for epoch in range(epochs):
+        taken = 0
+        for epoch in (itertools.count() if max_steps > 0 else range(epochs)):
+            if max_steps > 0 and taken >= max_steps:
+                break
             losses, sizes = [], []
             for images, labels in batches():
+                if max_steps > 0 and taken >= max_steps:
+                    break
+                taken += 1
                 if memory_format is not None:
                     images = images.contiguous(memory_format=memory_format)
                 with autocast(images.device, precision):
@@ -201,6 +211,8 @@ def train_epochs(
                 optimizer.step()
                 losses.append(loss.detach())
                 sizes.append(labels.shape[0])
+            if not losses:  # no batch at all: more passes would not take a step either
+                break
             # One read of the epoch's losses (a read per step would wait for the GPU).
             values = torch.stack(losses).float().tolist() if losses else []
             for value, size in zip(values, sizes):
