@@ -152,3 +152,18 @@ def test_a_robust_rule_a_server_optimizer_and_an_attacker_run_through_flwr_run(
     moments = [n for n in names if n.startswith("optimizer/")]
     references = [n for n in names if n.startswith("reference/")]
     assert len(moments) == 2 * len(references) > 0
+
+
+@pytest.mark.slow
+def test_differential_privacy_runs_through_flwr_run(superlink, tmp_path):
+    summary = run_simulation(
+        {"num-rounds": 2, "method": "fedrep", "fedspc": True, "local-steps": 3,
+         "dp-clipping-norm": 0.5, "dp-noise-multiplier": 0.1, "fraction-train": 0.5,
+         "min-train-replies": 0.5, "output-dir": str(tmp_path), "run-name": "private"},
+        superlink=superlink, clients=4, client_cpus=1, log_file=tmp_path / "run.log",
+        timeout=600)
+    assert summary["complete"] and summary["dp-epsilon"] > 0
+    rounds = json.loads((tmp_path / "private" / "metrics.json").read_text())["rounds"]
+    assert [r["train-clients"] for r in rounds] == [2, 2]  # half the clients a round
+    assert rounds[0]["dp-epsilon"] < rounds[1]["dp-epsilon"]
+    assert "ε " in (tmp_path / "run.log").read_text()  # in the progress line
