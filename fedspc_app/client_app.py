@@ -47,6 +47,7 @@ from fedspc_app.core.protocol import (
     QUERY,
     REFERENCE_CHANGE,
     REFERENCE_UPLOAD,
+    ROUND_LEARNING_RATE,
     RUN_NAME,
     RUN_TOKEN,
     SERVER_ROUND,
@@ -153,6 +154,9 @@ class ClientSetup:
     @classmethod
     def from_message(cls, message: Message, context: Context) -> ClientSetup:
         config = node_run_config(context, message)
+        round_rate = message_config(message).get(ROUND_LEARNING_RATE)
+        if isinstance(round_rate, float) and round_rate > 0:  # lr-schedule: this round's
+            config = config.replace(learning_rate=round_rate)
         apply_determinism(config.deterministic)
         method = get_method(config.method)
         partition_id, num_partitions = node_partition(message, context)

@@ -49,6 +49,7 @@ from fedspc_app.runs.results import (
 )
 from fedspc_app.runs.runfolder import claim_run_folder
 from fedspc_app.runs.tensorboard import check_tensorboard
+from fedspc_app.runs.wandb_log import check_wandb
 from fedspc_app.server import warm_up
 from fedspc_app.server.deployment import is_deployment, preflight, server_dataset
 from fedspc_app.server.evaluation import ServerEvaluator, check_server_evaluation
@@ -58,6 +59,7 @@ from fedspc_app.training.precision import (
     precision_report,
     resolve_device,
 )
+from fedspc_app.training.schedule import round_learning_rates
 from strategies import (
     AggregationRule,
     FedSPC,
@@ -104,6 +106,8 @@ def build_strategy(config: RunConfig, method: Method, split: ParameterSplit,
         privacy=(Privacy(config.dp_clipping_norm, config.dp_noise_multiplier,
                          config.local_steps, clip_on_server=config.dp_clipping == "server",
                          seed=config.seed) if config.dp else None),
+        learning_rates=(round_learning_rates(config) if config.lr_schedule != "constant"
+                        else None),
     )
     if method.control_variates or config.fedspc:
         return FedSPC(corrected_keys=split.corrected, learning_rate=config.learning_rate,
@@ -174,6 +178,7 @@ def check_run(grid: Grid, context: Context) -> CheckedRun:
         log(INFO, "%s", note)
     method = get_method(config.method)
     check_tensorboard(config)  # its package, before anything runs
+    check_wandb(config)
     deployment = is_deployment(grid)
     if deployment and not config.num_clients:
         raise ConfigError(

@@ -92,6 +92,7 @@ class FedSPC(PersonalizedFedAvg):
         self.upload = upload
         self.global_reference: ArrayDict | None = None
         self.num_clients = 0
+        self.round_learning_rate = self.learning_rate
 
     def summary(self) -> None:
         log(INFO, "\t├──> FedSPC: %d corrected keys, eta=%g, reference change %s",
@@ -123,6 +124,9 @@ class FedSPC(PersonalizedFedAvg):
         """Broadcast theta_s^t and u_bar^t (Algorithm 1, step 1)."""
         config[REFERENCE_UPLOAD] = self.upload
         messages = list(super().configure_train(server_round, arrays, config, grid))
+        # The round's eta: Algorithm 1's reference change divides by E eta of the round.
+        self.round_learning_rate = (self.learning_rate_of(server_round)
+                                    if self.learning_rates is not None else self.learning_rate)
         if self.global_reference is None:  # u_bar^0 = 0
             self.global_reference = zeros_like(self.broadcast, self.corrected_keys)
         # K: every client of the run, sampled, connected or not (u_bar is their mean u_k).
@@ -163,7 +167,7 @@ class FedSPC(PersonalizedFedAvg):
         update = shared_update(final, self.broadcast, self.corrected_keys)
         steps = int(message.content.metric_records[METRICS][SHARED_STEPS])
         return reference_change(update, self.global_reference, steps=steps,
-                                learning_rate=self.learning_rate)
+                                learning_rate=self.round_learning_rate)
 
     def aggregate_accepted(
         self, server_round: int, accepted: Sequence[Message]
@@ -178,7 +182,7 @@ class FedSPC(PersonalizedFedAvg):
             # sum_k Delta theta_k / (E eta), with m times the noised mean for the sum.
             delta = shared_update(self.privatized, self.broadcast, self.corrected_keys)
             change = reference_change(delta, self.global_reference, steps=self.privacy.steps,
-                                      learning_rate=self.learning_rate)
+                                      learning_rate=self.round_learning_rate)
             changes = [{k: v.astype(np.float64) * len(accepted) for k, v in change.items()}]
         elif self.rule.robust:
             # The sum over the accepted replies' changes, replaced by their count

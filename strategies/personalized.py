@@ -48,6 +48,7 @@ from fedspc_app.core.protocol import (
     METRICS,
     NUM_EXAMPLES,
     PARTITION_ID,
+    ROUND_LEARNING_RATE,
     ROUNDS_TRAINED,
     RUN_TOKEN,
     SERVER_ROUND,
@@ -208,6 +209,9 @@ class PersonalizedFedAvg(FedAvg):
         Client-level differential privacy: the mean of the (clipped) updates gets
         Gaussian noise, and nothing computed from single clients' updates is
         reported (the drift diagnostics are the privatized aggregate's norm only).
+    learning_rates : Sequence[float] | None (default: None)
+        The clients' η of rounds 1, 2, … (``lr-schedule``), sent with each round's
+        training messages; ``None``: the run-config's constant η, not sent.
     """
 
     def __init__(
@@ -225,6 +229,7 @@ class PersonalizedFedAvg(FedAvg):
         server_optimizer: ServerOptimizer | None = None,
         expected_counts: Mapping[int, tuple[int, int]] | None = None,
         privacy: Privacy | None = None,
+        learning_rates: Sequence[float] | None = None,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train,
@@ -247,6 +252,7 @@ class PersonalizedFedAvg(FedAvg):
         if privacy is not None and self.rule.name != "mean":
             raise ValueError("differential privacy needs the unweighted mean")
         self.privatized: ArrayDict | None = None  # the last noised mean, before any step
+        self.learning_rates = tuple(learning_rates) if learning_rates else None
         self.num_partitions = num_partitions or min_available_nodes
         self.min_train_replies = min_train_replies
         self.broadcast: ArrayDict | None = None
@@ -271,6 +277,11 @@ class PersonalizedFedAvg(FedAvg):
     def state_arrays(self) -> ArrayDict:
         """Arrays a checkpoint needs besides the shared block (none here)."""
         return {}
+
+    def learning_rate_of(self, server_round: int) -> float:
+        """The clients' η in ``server_round`` (the schedule's, clamped to its end)."""
+        rates = self.learning_rates
+        return float(rates[min(max(server_round, 1), len(rates)) - 1])
 
     def optimizer_arrays(self) -> ArrayDict:
         """The server optimizer's state, for a checkpoint (empty without one)."""
@@ -308,6 +319,8 @@ class PersonalizedFedAvg(FedAvg):
             raise ValueError("the broadcast must hold exactly the shared keys")
         self.broadcast = from_record(arrays)
         config.update(self.decisions())
+        if self.learning_rates is not None:
+            config[ROUND_LEARNING_RATE] = self.learning_rate_of(server_round)
         messages, self.sampled = self._messages(server_round, arrays, config, grid,
                                                 self.fraction_train, MessageType.TRAIN)
         return messages

@@ -267,6 +267,8 @@ def losses(rounds: list[dict]) -> list[float]:
     (10, "fedrep", {"server-optimizer": "fedadam", "server-learning-rate": 0.05}),
     (14, "fedper", {"server-optimizer": "fedavgm", "server-momentum": 0.9,
                     "aggregation": "median"}),
+    # A decaying learning rate: the resumed run continues the schedule.
+    (10, "fedrep", {"lr-schedule": "exponential", "lr-decay": 0.5}),
     # Differential privacy: the seeded noise and the privacy account continue.
     (10, "fedrep", {"local-steps": 3, "dp-clipping-norm": 0.5, "dp-noise-multiplier": 0.1}),
 ])

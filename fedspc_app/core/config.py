@@ -35,6 +35,8 @@ AGGREGATIONS = ("mean", "weighted", "median", "trimmed-mean", "krum", "multi-kru
 SERVER_OPTIMIZERS = ("mean", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
 ATTACKS = ("none", "scale", "sign-flip", "noise", "small-steps")
 DP_CLIPPING = ("client", "server")
+LR_SCHEDULES = ("constant", "exponential", "cosine", "step")
+WANDB_MODES = ("offline", "online", "disabled")
 AUGMENTS = ("auto", "none", "crop-flip")
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -114,6 +116,10 @@ class RunConfig:
     local_epochs: int = 5
     local_steps: int = 0
     learning_rate: float = 0.02
+    lr_schedule: str = "constant"
+    lr_decay: float = 0.98
+    lr_min: float = 0.0
+    lr_step_rounds: int = 10
     momentum: float = 0.0
     weight_decay: float = 0.0
     augment: str = "auto"
@@ -135,6 +141,10 @@ class RunConfig:
     run_name: str = ""
     overwrite: bool = False
     tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "fedspc"
+    wandb_entity: str = ""
+    wandb_mode: str = "offline"
 
     # Faults: checkpoints, resuming, the round failure policy
     checkpoint: bool = True
@@ -318,6 +328,15 @@ def validate(config: RunConfig) -> RunConfig:
     _choice("server-optimizer", config.server_optimizer, SERVER_OPTIMIZERS)
     _choice("attack", config.attack, ATTACKS)
     _choice("dp-clipping", config.dp_clipping, DP_CLIPPING)
+    _choice("lr-schedule", config.lr_schedule, LR_SCHEDULES)
+    _choice("wandb-mode", config.wandb_mode, WANDB_MODES)
+    if not 0.0 < config.lr_decay <= 1.0:
+        raise ConfigError(f"run-config 'lr-decay' must be in (0, 1], got {config.lr_decay!r}")
+    _at_least("lr-min", config.lr_min, 0.0)
+    if config.lr_min >= config.learning_rate and config.lr_schedule == "cosine":
+        raise ConfigError("run-config 'lr-min' must be below 'learning-rate' for the "
+                          "cosine schedule")
+    _at_least("lr-step-rounds", config.lr_step_rounds, 1)
     _at_least("local-steps", config.local_steps, 0)
     _check_privacy(config)
     if not 0.0 <= config.trim_fraction < 0.5:

@@ -16,6 +16,7 @@ REFERENCE_CHANGE = "reference-change"  # ArrayRecord: u_k^{t+1} - u_k^t (explici
 
 # Keys of the ``config`` record.
 SERVER_ROUND = "server-round"
+ROUND_LEARNING_RATE = "learning-rate"  # the clients' η of this round (lr-schedule)
 NUM_CLIENTS = "num-clients"  # K, the run's clients (queries and round messages)
 QUERY = "query"  # the kind of a query message (below)
 DEPLOYMENT = "deployment"  # a deployment run: the clients keep their state in files

@@ -46,7 +46,7 @@ CELL_ERRORS = (SimulationFailed, FedSPCError, TimeoutError)
 # Settings that may change without invalidating a finished run.
 _IRRELEVANT = {"data-dir", "output-dir", "download", "device", "checkpoint", "resume",
                "round-timeout", "keep-client-state", "client-state-dir", "overwrite",
-               "tensorboard"}
+               "tensorboard", "wandb", "wandb-project", "wandb-entity", "wandb-mode"}
 
 
 # ------------------------------------------------------------------------ status

@@ -32,6 +32,7 @@ from flwr.serverapp import Grid
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.files import atomic_write
 from fedspc_app.runs.tensorboard import RoundScalars
+from fedspc_app.runs.wandb_log import WandbLog
 
 # Where a round's time went (README: Speed): each phase's wall time, the sums over
 # its clients of their setup and work seconds, and in a phase that met new ClientApp
@@ -246,6 +247,7 @@ class RunRecorder:
         self.started = time.perf_counter()
         self.last = self.started
         self.scalars = RoundScalars()  # TensorBoard (run-config 'tensorboard')
+        self.wandb = WandbLog()  # Weights & Biases (run-config 'wandb')
         # The rounds this run trains: num-rounds, or fewer when a privacy budget
         # (dp-target-epsilon) allows fewer (then ``stopped_by`` says so).
         self.num_rounds = config.num_rounds
@@ -260,7 +262,8 @@ class RunRecorder:
 
         A resumed run passes the rounds and the wall time of its checkpoint.
         """
-        start_results(self.run_dir, {"run-config": self.config.to_dict(), **(extra or {})})
+        settings = {"run-config": self.config.to_dict(), **(extra or {})}
+        start_results(self.run_dir, settings)
         self.rounds = [dict(row) for row in rounds or []]
         now = time.perf_counter()
         self.started = now - elapsed
@@ -269,6 +272,7 @@ class RunRecorder:
         last_end = float(self.rounds[-1]["elapsed-seconds"]) if self.rounds else 0.0
         self.last = min(now, self.started + last_end)
         self.scalars.open(self.config, self.run_dir, self.rounds)
+        self.wandb.open(self.config, self.run_dir, settings, self.rounds)
         if self.rounds:
             self._write_metrics()
             self.echo(f"Results: {self.run_dir} (resumed after round "
@@ -353,6 +357,7 @@ class RunRecorder:
         self.rounds.append(row)
         self._write_metrics()
         self.scalars.write(row)
+        self.wandb.write(row)
         self.echo(self.progress_line(row))
 
     def progress_line(self, row: Mapping[str, Any]) -> str:
@@ -415,6 +420,7 @@ class RunRecorder:
         self._write_metrics(summary)
         write_summary(self.run_dir, _clean_tree(summary))
         self.scalars.close()
+        self.wandb.finish(summary)
         if paused is not None:
             self.echo(
                 f"[{self.config.label}] paused after round {paused} of "
