@@ -32,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from clients.state import BLOCKS, COMMITTED, PENDING, ClientState
+from clients.state import BLOCKS, COMMITTED, LOCAL_REFERENCE, PENDING, ClientState
 from fedspc_app.core.errors import FedSPCError
-from fedspc_app.core.files import atomic_open, sync_folder
+from fedspc_app.core.files import atomic_open, atomic_write, sync_folder
 
 STATE_DIR_KEY = "state-dir"
 FORMAT_VERSION = 2
@@ -214,3 +214,32 @@ class DurableState:
             rounds_trained=int(meta["rounds-trained"]),
             round=int(meta["round"]),
         )
+
+
+FINAL_MARKER = "final-state.json"
+"""In a finished simulation's client-state folder: the files hold each client's final
+personalized parameters only (:func:`keep_final_personal`)."""
+
+
+def keep_final_personal(folder: Path) -> int:
+    """Strip a finished simulation's client state down to what its models need: each
+    client's personalized parameters (and Ditto's personal model), without u_k, so that
+    ``python -m fedspc_app.export`` works after a default run; writes
+    :data:`FINAL_MARKER`, by which a resume that would need u_k is refused. Returns the
+    bytes kept."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return 0
+    kept = 0
+    for path in sorted(folder.glob("partition-*.npz")):
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {name: data[name] for name in data.files
+                      if not name.startswith(LOCAL_REFERENCE + "/")}
+        with atomic_open(path) as handle:
+            np.savez(handle, **arrays)
+        kept += path.stat().st_size
+    atomic_write(folder / FINAL_MARKER, json.dumps({
+        "contents": "each client's final personalized parameters; no u_k",
+        "bytes": kept}) + "\n")
+    sync_folder(folder)
+    return kept

@@ -275,10 +275,10 @@ def missing_state_reason(run: RunFolder, client: int,
                 "memory only). Copy that folder from the SuperNode of partition-id "
                 f"{client} and pass it with --client-state DIR")
     if run.complete and not run.config.keep_client_state:
-        return ("the run removed its clients' state when it completed, as a simulation "
-                "does unless keep-client-state = true. Run it again with "
-                "keep-client-state = true (--set keep-client-state=true; under another "
-                "run-name, or with overwrite = true to replace this run) to keep it")
+        return ("the run removed its clients' state when it completed (a simulation of "
+                "an earlier version did, unless keep-client-state = true; now it keeps each "
+                "client's final personalized parameters). Run it again (under another "
+                "run-name, or with overwrite = true to replace this run)")
     return ("the run's client-state folder was not kept or not copied with it; pass a "
             "copy with --client-state DIR")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +22,12 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 from torch import nn
 
-from clients.durable import simulation_folder, write_view_marker
+from clients.durable import (
+    FINAL_MARKER,
+    keep_final_personal,
+    simulation_folder,
+    write_view_marker,
+)
 from clients.local import expected_shared_steps, keeps_client_state
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError, FedSPCError
@@ -323,13 +327,17 @@ def train(grid: Grid, checked: CheckedRun) -> None:
         log(ERROR, "Run stopped: %s", error)
         raise SystemExit(f"fedspc: {error}") from None
     clear_pause(recorder.run_dir)  # asked during the last round: nothing left to pause
-    # The clients' files are only needed to continue this run: kept in a deployment
-    # (each SuperNode's state-dir), in a simulation only when asked.
-    remove = (not deployment and not config.keep_client_state
-              and keeps_client_state(method, config, split))
-    recorder.finish(can_extend=config.checkpoint and not remove)
-    if remove:
-        shutil.rmtree(client_state_folder(config), ignore_errors=True)
+    # A simulation keeps its clients' final personalized parameters (what export
+    # needs), and their u_k and the rest only when asked (keep-client-state, which a
+    # later extension of the run needs); a deployment's SuperNodes keep theirs.
+    strip = (not deployment and not config.keep_client_state
+             and keeps_client_state(method, config, split))
+    recorder.finish(can_extend=config.checkpoint and not strip)
+    if strip:
+        kept = keep_final_personal(client_state_folder(config))
+        log(INFO, "Kept each client's final personalized parameters for export (%.1f MB "
+            "in %s); keep-client-state = true keeps u_k too, so that the run can be "
+            "extended", kept / 1e6, client_state_folder(config))
 
 
 def privacy_budget(config: RunConfig, recorder: RunRecorder) -> int:
@@ -398,7 +406,8 @@ def check_saved_client_state(checked: CheckedRun, strategy_state: dict) -> None:
     """
     config = checked.config
     folder = client_state_folder(config)
-    if (checked.deployment or folder.is_dir()
+    final_only = (folder / FINAL_MARKER).is_file()
+    if (checked.deployment or (folder.is_dir() and not final_only)
             or not keeps_client_state(checked.method, config, checked.split)
             or not any(int(r) for r in strategy_state.get(ACCEPTED_ROUNDS, []))):
         return
@@ -406,8 +415,9 @@ def check_saved_client_state(checked: CheckedRun, strategy_state: dict) -> None:
     if summary.get("complete"):
         raise ConfigError(
             f"{config.run_dir} holds a finished run of {summary.get('rounds')} rounds whose "
-            "clients' state (personalized parameters, u_k) was removed when it completed, "
-            "so it cannot be extended to more rounds. Runs started with "
+            "clients kept only their final personalized parameters when it completed (u_k "
+            "and the rest of their state were removed), so it cannot be extended to more "
+            "rounds. Runs started with "
             "keep-client-state = true keep it; start this one again (without resume) to "
             "run all the rounds")
     raise ConfigError(

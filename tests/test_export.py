@@ -22,7 +22,7 @@ from flwr.app import Context, RecordDict
 from inprocess import InProcessGrid
 
 from clients import ClientJob, evaluate_client
-from clients.durable import SIMULATION_FOLDER, DurableState
+from clients.durable import FINAL_MARKER, SIMULATION_FOLDER, DurableState
 from clients.state import PENDING, ClientState
 from fedspc_app import client_app, server_app
 from fedspc_app.core.config import parse_run_config
@@ -286,12 +286,20 @@ def test_a_client_outside_the_run_is_refused(fedper, tmp_path, client):
                     rf"0..{K - 1} \(num-clients = {K}", client=client)
 
 
-def test_a_client_whose_state_the_run_removed_names_keep_client_state(runs, tmp_path):
-    run_dir = runs("fedper-removed", method="fedper", **{"keep-client-state": False})
-    assert not (run_dir / SIMULATION_FOLDER).exists()
-    text = exports_nothing(run_dir, tmp_path, "removed its clients' state when it "
-                           "completed", client=1)
-    assert "keep-client-state = true" in text
+@pytest.mark.parametrize("method", ["fedper", "ditto"])
+def test_a_default_run_keeps_what_its_clients_models_need_and_exports_them(runs, method):
+    # FedPer + FedSPC with the default keep-client-state = false, as a new user runs it.
+    run_dir = runs(f"{method}-default", method=method, fedspc=True,
+                   **{"keep-client-state": False})
+    folder = run_dir / SIMULATION_FOLDER
+    assert (folder / FINAL_MARKER).is_file()
+    for path in folder.glob("partition-*.npz"):
+        with np.load(path) as data:  # no u_k: only what the models need
+            assert not [n for n in data.files if n.startswith("local-reference/")]
+            assert [n for n in data.files if n.startswith(("personal/", "personal-model/"))]
+    for client in range(K):
+        model = load_client_model(run_dir, client)
+        assert correct_of(model, run_dir, client) == recorded_correct(run_dir, client)
 
 
 def test_the_global_model_of_a_partial_split_is_refused(fedper, tmp_path, capsys):

@@ -19,6 +19,7 @@ import pytest
 from flwr.app import Array, Context, Message, MessageType, MetricRecord, RecordDict
 from inprocess import InProcessGrid, run_server
 
+from clients.durable import FINAL_MARKER
 from clients.state import COMMITTED, PENDING, ClientState
 from fedspc_app import client_app, server_app
 from fedspc_app.client_app import check_node_config
@@ -293,7 +294,7 @@ def test_a_crashed_run_resumes_to_the_same_metrics(tmp, crash_at, method, extra)
     assert accuracies(resumed) == accuracies(expected)
     assert losses(resumed) == pytest.approx(losses(expected), rel=1e-4)
     assert [r.get("dp-epsilon") for r in resumed] == [r.get("dp-epsilon") for r in expected]
-    assert not (tmp / "b" / "run" / "client-state").exists()  # removed once complete
+    assert_only_final_personal(tmp / "b" / "run" / "client-state")  # once complete
 
 
 def strings(tree) -> list[str]:
@@ -467,6 +468,16 @@ def test_a_run_is_never_restarted_over_without_overwrite(tmp):
     assert error is None and len(rounds) == 1
 
 
+def assert_only_final_personal(folder: Path) -> None:
+    """A finished simulation keeps its clients' final personalized parameters only."""
+    if not folder.exists():  # a method with no personalized parameters (FedAvg-like)
+        return
+    assert (folder / FINAL_MARKER).is_file()
+    for path in folder.glob("partition-*.npz"):
+        with np.load(path) as data:
+            assert not [n for n in data.files if n.startswith("local-reference/")]
+
+
 def summary_of(tmp: Path) -> dict:
     return json.loads((tmp / "run" / "summary.json").read_text())
 
@@ -481,8 +492,8 @@ def test_a_finished_run_that_kept_its_client_state_extends_as_if_never_stopped(t
     assert summary_of(tmp / "b")["complete"] and summary_of(tmp / "b")["rounds"] == 3
     assert accuracies(extended) == accuracies(expected)
     assert losses(extended) == pytest.approx(losses(expected), rel=1e-4)
-    # This time keep-client-state was not asked: the state goes, and so does the option.
-    assert not (tmp / "b" / "run" / "client-state").exists()
+    # This time keep-client-state was not asked: u_k goes, and so does the option.
+    assert_only_final_personal(tmp / "b" / "run" / "client-state")
     assert summary_of(tmp / "b")["can-extend"] is False
 
 
