@@ -17,6 +17,7 @@ its per-client ones (each its own TensorBoard section, one chart per client):
   images trained on;
 * ``time/``: every ``*-seconds`` column (round, elapsed, phase timings, checkpoint)
   and ``images-per-second``;
+* ``privacy/``: ``dp-epsilon`` (differential privacy's account);
 * ``other/``: any further numeric column;
 * ``client-accuracy/<k>``, ``client-global-accuracy/<k>``,
   ``client-accuracy-before-aggregation/<k>``, ``client-update-norms/<k>``,
@@ -53,6 +54,7 @@ GROUPS = {
     "clients": ("clients", "train-clients", "train-images", "min-rounds-trained", "failed",
                 "train-dropped", "evaluate-dropped"),
     "time": ("images-per-second",),
+    "privacy": ("dp-epsilon",),
 }
 _GROUP_OF = {column: group for group, columns in GROUPS.items() for column in columns}
 
