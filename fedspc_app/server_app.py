@@ -346,6 +346,7 @@ def privacy_budget(config: RunConfig, recorder: RunRecorder) -> int:
     differential privacy the recorder reports ε after every round."""
     if not config.dp:
         return config.num_rounds
+
     def account(rounds: int) -> float:
         return privacy.epsilon(config.dp_noise_multiplier, config.fraction_train, rounds,
                                config.dp_delta)
@@ -355,6 +356,9 @@ def privacy_budget(config: RunConfig, recorder: RunRecorder) -> int:
         return config.num_rounds
     allowed = privacy.rounds_within(config.dp_target_epsilon, config.dp_noise_multiplier,
                                     config.fraction_train, config.dp_delta, config.num_rounds)
+    if allowed == 0:
+        raise ConfigError(f"dp-target-epsilon = {config.dp_target_epsilon:g} allows no round "
+                          f"(one round already reaches ε {account(1):.3g})")
     if allowed < config.num_rounds:
         recorder.num_rounds = allowed
         recorder.stopped_by = (f"dp-target-epsilon {config.dp_target_epsilon:g}: round "
@@ -363,9 +367,6 @@ def privacy_budget(config: RunConfig, recorder: RunRecorder) -> int:
             "of the %d rounds: the run ends after round %d (ε %.3g)",
             config.dp_target_epsilon, config.dp_delta, allowed, config.num_rounds, allowed,
             account(allowed))
-    if allowed == 0:
-        raise ConfigError(f"dp-target-epsilon = {config.dp_target_epsilon:g} allows no round "
-                          f"(one round already reaches ε {account(1):.3g})")
     return allowed
 
 
