@@ -127,7 +127,8 @@ def expected_shared_steps(method: Method, config: RunConfig, split: ParameterSpl
                for phase in method.phases if updates_shared(phase, split))
 
 
-def _tensors(arrays: Mapping[str, np.ndarray], keys, device) -> dict[str, torch.Tensor]:
+def device_tensors(arrays: Mapping[str, np.ndarray], keys, device) -> dict[str, torch.Tensor]:
+    """``arrays[key]`` for each of ``keys``, as tensors on ``device``."""
     return {key: torch.as_tensor(arrays[key]).to(device) for key in keys}
 
 
@@ -212,7 +213,7 @@ def train_client(
             key: torch.as_tensor(global_reference[key] - local_reference[key]).to(device)
             for key in split.corrected
         }
-    anchor = _tensors(received, [k for k in split.shared if k in split.parameters], device)
+    anchor = device_tensors(received, [k for k in split.shared if k in split.parameters], device)
 
     batches = data.batches("train", job.generator("train"))
     shared_steps = 0

@@ -14,6 +14,7 @@ from flwr.supercore import log
 from clients import ClientJob, evaluate_client, train_client
 from clients.attack import attacked_reference_change, attacked_reply, is_attacker
 from clients.durable import DurableState
+from clients.held_out import evaluate_new_client, is_held_out
 from clients.local import keeps_client_state
 from clients.state import (
     PENDING,
@@ -37,6 +38,7 @@ from fedspc_app.core.protocol import (
     GLOBAL_CORRECT,
     GLOBAL_EXAMPLES,
     GLOBAL_REFERENCE,
+    HELD_OUT,
     LOSS_SUM,
     METRICS,
     NODE_QUERY,
@@ -150,6 +152,7 @@ class ClientSetup:
     server_round: int
     store: DurableState | None = None
     deployment: bool = False
+    num_partitions: int = 0
 
     @classmethod
     def from_message(cls, message: Message, context: Context) -> ClientSetup:
@@ -173,7 +176,12 @@ class ClientSetup:
                                 local_buffers=config.dp)
         return cls(config, method, data, split, model,
                    partition_id, int(message_config(message).get(SERVER_ROUND, 0)),
-                   store=store, deployment=deployment)
+                   store=store, deployment=deployment, num_partitions=num_partitions)
+
+    @property
+    def held_out(self) -> bool:
+        """Whether this client is one of the run's held-out clients (never trains)."""
+        return is_held_out(self.config, self.partition_id, self.num_partitions)
 
     @property
     def keeps_state(self) -> bool:
@@ -250,6 +258,10 @@ def train(message: Message, context: Context) -> Message:
     says whether it aggregated the reply (see :class:`clients.state.ClientLedger`)."""
     started, started_at = time.perf_counter(), time.time()
     setup = ClientSetup.from_message(message, context)
+    if setup.held_out:
+        raise ConfigError(f"partition {setup.partition_id} is a held-out client "
+                          f"(held-out-clients = {setup.config.held_out_clients}): it never "
+                          "trains")
     ledger, state = setup.load_state(message, context)
     global_reference = None
     if GLOBAL_REFERENCE in message.content.array_records:
@@ -278,19 +290,28 @@ def train(message: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(message: Message, context: Context) -> Message:
-    """Personalized accuracy on this client's own test split."""
+    """Personalized accuracy on this client's own test split; a held-out client's
+    after fine-tuning from a new client's start (:mod:`clients.held_out`)."""
     started, started_at = time.perf_counter(), time.time()
     setup = ClientSetup.from_message(message, context)
-    _, state = setup.load_state(message, context)
+    held_out = bool(message_config(message).get(HELD_OUT, False))
+    if held_out != setup.held_out:
+        raise ConfigError(
+            f"partition {setup.partition_id} of {setup.num_partitions} is "
+            f"{'' if setup.held_out else 'not '}a held-out client (held-out-clients = "
+            f"{setup.config.held_out_clients}), but the server "
+            f"{'did not evaluate' if setup.held_out else 'evaluated'} it as one")
+    state = ClientState() if held_out else setup.load_state(message, context)[1]
     job = setup.job(message, state)
     working = time.perf_counter()
-    outcome = evaluate_client(job)
+    outcome = evaluate_new_client(job) if held_out else evaluate_client(job)
     metrics = MetricRecord({
         NUM_EXAMPLES: outcome.examples,
         CORRECT: outcome.correct,
         LOSS_SUM: outcome.loss_sum,
         "accuracy": outcome.accuracy,
         PARTITION_ID: setup.partition_id,
+        **({HELD_OUT: 1} if held_out else {}),
         **timings(started, working, time.perf_counter()),
         **first_message_times(started_at),
     })

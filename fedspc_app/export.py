@@ -194,6 +194,13 @@ def client_model(run: RunFolder, client: int,
         raise ExportError(f"client {client} is not one of the run's clients: 0.."
                           f"{run.num_clients - 1} (num-clients = {run.num_clients} in "
                           f"{run.path / CONFIG_JSON})")
+    held_out = run.config.held_out_clients
+    if held_out and client >= run.num_clients - held_out:
+        raise ExportError(
+            f"client {client} is a held-out client (held-out-clients = {held_out}: clients "
+            f"{run.num_clients - held_out}..{run.num_clients - 1}): it never trained and "
+            "keeps nothing (each evaluation fine-tuned a fresh copy); export the global "
+            "model (no --client) or a client that trained")
     if not run.personalizes:
         load_arrays(run.model, run.checkpoint.shared)
         return ExportedModel(run.model, describe(run, client, {

@@ -121,10 +121,12 @@ def run_serial(config: RunConfig, num_clients: int,
     optimizer or attackers; other settings are refused with a ConfigError.
     """
     if (config.aggregation not in ("mean", "weighted") or config.server_optimizer != "mean"
-            or config.attack != "none" or config.dp or config.lr_schedule != "constant"):
+            or config.attack != "none" or config.dp or config.lr_schedule != "constant"
+            or config.held_out_clients):
         raise ConfigError("the plain loop runs the mean (or weighted) aggregation only, "
                           "with a constant learning rate and without a server optimizer, "
-                          "privacy or attack; run the others with python -m fedspc_app.simulate")
+                          "privacy, attack or held-out clients; run the others with "
+                          "python -m fedspc_app.simulate")
     started = time.perf_counter()
     local = _Clients(config, num_clients)
     pool = None

@@ -28,6 +28,7 @@ from clients.durable import (
     simulation_folder,
     write_view_marker,
 )
+from clients.held_out import fine_tuned_keys
 from clients.local import expected_shared_steps, keeps_client_state
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError, FedSPCError
@@ -112,6 +113,7 @@ def build_strategy(config: RunConfig, method: Method, split: ParameterSplit,
                          seed=config.seed) if config.dp else None),
         learning_rates=(round_learning_rates(config) if config.lr_schedule != "constant"
                         else None),
+        held_out_clients=config.held_out_clients,
     )
     if method.control_variates or config.fedspc:
         return FedSPC(corrected_keys=split.corrected, learning_rate=config.learning_rate,
@@ -192,6 +194,11 @@ def check_run(grid: Grid, context: Context) -> CheckedRun:
     warming = None if deployment else warm_up.start(grid, config.num_clients)
     shape, dataset = server_dataset(config, deployment)
     num_clients = wait_for_clients(grid, config.num_clients)
+    if config.held_out_clients >= num_clients:
+        raise ConfigError(
+            f"run-config 'held-out-clients' = {config.held_out_clients} leaves no client to "
+            f"train among the run's {num_clients} clients (the held-out clients are "
+            "counted in them: raise the number of SuperNodes / num-supernodes)")
     if deployment:
         partition = preflight(grid, config, num_clients, shape)
         sizes = {"train": sum(map(sum, partition["train_counts"])),
@@ -251,6 +258,12 @@ def train(grid: Grid, checked: CheckedRun) -> None:
         "shared-keys": list(split.shared),
         "personal-keys": list(split.personal),
         "resumed-after-round": resumed.round if resumed else 0,
+        **({"held-out": {
+            "clients": config.held_out_clients,
+            "partition-ids": list(range(num_clients - config.held_out_clients, num_clients)),
+            "epochs": config.held_out_epochs, "parts": config.held_out_parts,
+            "fine-tuned-keys": list(fine_tuned_keys(method, config, split)),
+        }} if config.held_out_clients else {}),
         "precision": precision,
         **({"privacy": {
             "clipping-norm": config.dp_clipping_norm, "clipping": config.dp_clipping,
@@ -266,8 +279,10 @@ def train(grid: Grid, checked: CheckedRun) -> None:
     }, rounds=resumed.rounds if resumed else None,
         elapsed=resumed.elapsed_seconds if resumed else 0.0)
     save_partition(checked.partition, recorder.run_dir)
-    log(INFO, "%s | %s on %s, %d clients, %s, %d rounds, %s", config.label,
-        config.model, config.dataset, num_clients,
+    log(INFO, "%s | %s on %s, %s, %s, %d rounds, %s", config.label,
+        config.model, config.dataset,
+        f"{num_clients - config.held_out_clients} clients + {config.held_out_clients} "
+        "held out" if config.held_out_clients else f"{num_clients} clients",
         f"{config.classes_per_client} classes per client" if config.partition == "classes"
         else f"alpha={config.alpha:g}", config.num_rounds,
         describe_precision(precision, config.channels_last))

@@ -129,8 +129,9 @@ class FedSPC(PersonalizedFedAvg):
                                     if self.learning_rates is not None else self.learning_rate)
         if self.global_reference is None:  # u_bar^0 = 0
             self.global_reference = zeros_like(self.broadcast, self.corrected_keys)
-        # K: every client of the run, sampled, connected or not (u_bar is their mean u_k).
-        self.num_clients = self.num_partitions
+        # K: every client of the run that trains, sampled, connected or not (u_bar is
+        # their mean u_k); held-out clients have no u_k.
+        self.num_clients = self.num_training
         reference = to_record(self.global_reference)
         for message in messages:
             message.content[GLOBAL_REFERENCE] = reference

@@ -42,6 +42,7 @@ from fedspc_app.core.protocol import (
     EXAMPLES_SEEN,
     GLOBAL_CORRECT,
     GLOBAL_EXAMPLES,
+    HELD_OUT,
     LOCAL_CORRECT,
     LOCAL_EXAMPLES,
     LOSS_SUM,
@@ -212,6 +213,11 @@ class PersonalizedFedAvg(FedAvg):
     learning_rates : Sequence[float] | None (default: None)
         The clients' η of rounds 1, 2, … (``lr-schedule``), sent with each round's
         training messages; ``None``: the run-config's constant η, not sent.
+    held_out_clients : int (default: 0)
+        N: the last N of the ``num_partitions`` never train and are never sampled
+        (a reply from one is dropped); every evaluation also sends them the shared
+        block with ``held-out`` set, and their replies make the ``held-out-*``
+        metrics, never the personalized accuracy or anything aggregated.
     """
 
     def __init__(
@@ -230,6 +236,7 @@ class PersonalizedFedAvg(FedAvg):
         expected_counts: Mapping[int, tuple[int, int]] | None = None,
         privacy: Privacy | None = None,
         learning_rates: Sequence[float] | None = None,
+        held_out_clients: int = 0,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train,
@@ -254,6 +261,7 @@ class PersonalizedFedAvg(FedAvg):
         self.privatized: ArrayDict | None = None  # the last noised mean, before any step
         self.learning_rates = tuple(learning_rates) if learning_rates else None
         self.num_partitions = num_partitions or min_available_nodes
+        self.held_out_clients = held_out_clients
         self.min_train_replies = min_train_replies
         self.broadcast: ArrayDict | None = None
         self.accepted_rounds = [0] * self.num_partitions
@@ -262,7 +270,13 @@ class PersonalizedFedAvg(FedAvg):
         self.report: RoundReport | None = None
         self.sampled = 0
         self.sampler = PartitionSampler(self.num_partitions, seed=seed, node_wait=node_wait,
-                                        wait_for=min_available_nodes)
+                                        wait_for=min_available_nodes,
+                                        held_out=held_out_clients)
+
+    @property
+    def num_training(self) -> int:
+        """The clients that train: partitions ``0 … num_training-1``."""
+        return self.num_partitions - self.held_out_clients
 
     # ------------------------------------------------------------------ state
     def decisions(self) -> dict[str, list[int] | int]:
@@ -328,10 +342,19 @@ class PersonalizedFedAvg(FedAvg):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Send the sampled clients the shared block and the decisions of this round."""
+        """Send the sampled clients the shared block and the decisions of this round;
+        and every held-out client the shared block, marked ``held-out``."""
         config.update(self.decisions())
         messages, _ = self._messages(server_round, arrays, config, grid,
                                      self.fraction_evaluate, MessageType.EVALUATE)
+        if self.held_out_clients:
+            nodes, count = self.sampler.held_out_nodes(grid)
+            if len(nodes) < count:
+                log(WARNING, "configure_evaluate: %d of %d held-out clients connected",
+                    len(nodes), count)
+            held = ConfigRecord({**config, HELD_OUT: True, SERVER_ROUND: server_round})
+            record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: held})
+            messages += list(self._construct_messages(record, nodes, MessageType.EVALUATE))
         return messages
 
     def _messages(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -339,7 +362,7 @@ class PersonalizedFedAvg(FedAvg):
         """One message per sampled client, and how many clients were drawn."""
         nodes, drawn = self.sampler.sample(grid, server_round, fraction, kind)
         log(INFO, "configure_%s: sampled %d of %d clients%s", kind, drawn,
-            self.num_partitions,
+            self.num_training,
             f" ({drawn - len(nodes)} not connected)" if len(nodes) < drawn else "")
         config[SERVER_ROUND] = server_round
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
@@ -373,6 +396,9 @@ class PersonalizedFedAvg(FedAvg):
         if not isinstance(num_examples, int) or num_examples <= 0:
             return f"'num-examples' must be a positive integer, got {num_examples!r}"
         reason = self._check_partition(message, metrics.get(PARTITION_ID))
+        if reason is None and metrics[PARTITION_ID] >= self.num_training:
+            reason = (f"partition {metrics[PARTITION_ID]} is a held-out client, which "
+                      "never trains")
         if reason is None and self.expected_counts is not None:
             reason = self._check_counts(metrics)
         return reason
@@ -501,6 +527,8 @@ class PersonalizedFedAvg(FedAvg):
             **drift,
             **robust,
             **accuracy_before_aggregation(metrics),
+            **({ROUND_LEARNING_RATE: self.learning_rate_of(server_round)}
+               if self.learning_rates is not None else {}),
         })
         return to_record(arrays), summary
 
@@ -541,7 +569,8 @@ class PersonalizedFedAvg(FedAvg):
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """Personalized accuracy (mean over clients), weighted accuracy, per client."""
+        """Personalized accuracy (mean over clients), weighted accuracy, per client;
+        the held-out clients' as ``held-out-<key>``."""
         rows, records, dropped = {}, {}, 0
         for message in replies:
             reason = self.check_evaluation(message)
@@ -560,6 +589,7 @@ class PersonalizedFedAvg(FedAvg):
                 server_round, message.metadata.src_node_id, reason)
         if self.report is not None and self.report.server_round == server_round:
             self.report.evaluate_dropped = dropped
+        held = {pid: rows.pop(pid) for pid in list(rows) if pid >= self.num_training}
         if not rows:
             return None
         summary = evaluation_summary(rows)
@@ -567,4 +597,6 @@ class PersonalizedFedAvg(FedAvg):
             **summary,
             **summed_timings(records.values()),
             **global_model_accuracy([records[pid] for pid in summary["client-ids"]]),
+            **({f"{HELD_OUT}-{key}": value for key, value in evaluation_summary(held).items()}
+               if held else {}),
         })

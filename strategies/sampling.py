@@ -11,6 +11,10 @@ counts as a sampled client that did not reply, and the round failure policy deci
 With partial participation the sampler first learns each node's partition id: from
 the replies it sees, and for a node it has not heard from, with one small query
 (``NODE_QUERY``; nothing is loaded on the node).
+
+With held-out clients (``held-out-clients`` = N, the last N partition ids) the draws
+are over the first K - N partitions only, exactly as in a run of K - N clients; the
+held-out ones are messaged only for their evaluation (:meth:`PartitionSampler.held_out_nodes`).
 """
 
 from __future__ import annotations
@@ -43,11 +47,17 @@ class PartitionSampler:
         the connected ones.
     wait_for : int (default: K)
         How many connected nodes a round waits for.
+    held_out : int (default: 0)
+        The last ``held_out`` partitions never train: no draw includes them.
     """
 
     def __init__(self, num_partitions: int, *, seed: int = 0, node_wait: float = 120.0,
-                 wait_for: int = 0) -> None:
+                 wait_for: int = 0, held_out: int = 0) -> None:
+        if not 0 <= held_out < num_partitions:
+            raise ValueError(f"held_out must be in [0, {num_partitions}), got {held_out}")
         self.num_partitions = num_partitions
+        self.held_out = held_out
+        self.training = num_partitions - held_out  # partitions 0 .. training-1 train
         self.seed = seed
         self.node_wait = node_wait
         self.wait_for = wait_for or num_partitions
@@ -59,12 +69,13 @@ class PartitionSampler:
         self.partition_of[node_id] = partition_id
 
     def draw(self, server_round: int, fraction: float, phase: str) -> list[int]:
-        """The partition ids drawn for ``phase`` of ``server_round``, sorted."""
-        size = min(self.num_partitions, max(1, int(self.num_partitions * fraction)))
-        if size == self.num_partitions:
-            return list(range(self.num_partitions))
+        """The partition ids drawn for ``phase`` of ``server_round``, sorted (among the
+        partitions that train)."""
+        size = min(self.training, max(1, int(self.training * fraction)))
+        if size == self.training:
+            return list(range(self.training))
         generator = random.Random(f"{self.seed}/{phase}/{server_round}")
-        return sorted(generator.sample(range(self.num_partitions), size))
+        return sorted(generator.sample(range(self.training), size))
 
     def connected(self, grid: Grid) -> list[int]:
         """The connected node ids, after waiting up to ``node_wait`` for ``wait_for``."""
@@ -111,8 +122,21 @@ class PartitionSampler:
         nodes = self.connected(grid)
         if len(drawn) == self.num_partitions:
             return nodes, max(len(nodes), self.wait_for)
+        node_of = self.nodes_of(grid, nodes)
+        return [node_of[p] for p in drawn if p in node_of], len(drawn)
+
+    def held_out_nodes(self, grid: Grid) -> tuple[list[int], int]:
+        """The connected nodes of the held-out partitions (in partition order), and
+        how many held-out clients there are."""
+        if not self.held_out:
+            return [], 0
+        node_of = self.nodes_of(grid, self.connected(grid))
+        held = range(self.training, self.num_partitions)
+        return [node_of[p] for p in held if p in node_of], self.held_out
+
+    def nodes_of(self, grid: Grid, nodes: Sequence[int]) -> dict[int, int]:
+        """Partition id -> node id, over ``nodes`` (asking those not heard from yet)."""
         self.ask(grid, nodes)
         online = set(nodes)
-        node_of = {partition: node for node, partition in self.partition_of.items()
-                   if node in online}
-        return [node_of[p] for p in drawn if p in node_of], len(drawn)
+        return {partition: node for node, partition in self.partition_of.items()
+                if node in online}

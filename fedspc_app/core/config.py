@@ -42,6 +42,8 @@ PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 REFERENCE_UPLOADS = ("derived", "explicit")
 FINETUNE_PARTS = ("all", "head")
+# What a held-out client fine-tunes before it is tested (clients/held_out.py).
+HELD_OUT_PARTS = ("auto", "personal", "all", "none")
 PARTITIONS = ("dirichlet", "classes")
 CACHE_DIR_ENV = "FEDSPC_CACHE_DIR"
 
@@ -102,6 +104,9 @@ class RunConfig:
     evaluate_before_aggregation: bool = False
     evaluate_global_model: bool = False
     evaluate_server: bool = False
+    held_out_clients: int = 0
+    held_out_epochs: int = 1
+    held_out_parts: str = "auto"
 
     # Partitioning (the paper's Dirichlet label skew, or S classes per client)
     partition: str = "dirichlet"
@@ -362,6 +367,14 @@ def validate(config: RunConfig) -> RunConfig:
     _choice("precision", config.precision, PRECISIONS)
     _choice("fedspc-upload", config.fedspc_upload, REFERENCE_UPLOADS)
     _choice("fedbabu-finetune-parts", config.fedbabu_finetune_parts, FINETUNE_PARTS)
+    _choice("held-out-parts", config.held_out_parts, HELD_OUT_PARTS)
+    _at_least("held-out-clients", config.held_out_clients, 0)
+    _at_least("held-out-epochs", config.held_out_epochs, 0)
+    if config.num_clients > 0 and config.held_out_clients >= config.num_clients:
+        raise ConfigError(
+            f"run-config 'held-out-clients' = {config.held_out_clients} leaves no client to "
+            f"train among num-clients = {config.num_clients} (the held-out clients are "
+            "counted in num-clients)")
     _choice("partition", config.partition, PARTITIONS)
     _at_least("classes-per-client", config.classes_per_client, 1)
     _at_least("alpha", config.alpha, 0.0, strict=True)

@@ -29,6 +29,9 @@ RUN_TOKEN = "run-token"  # tells a resumed run's clients from another run's left
 # The run name the server settled on (a new run may get a versioned one, <name>-2):
 # the clients keep their state under that run's folder or name.
 RUN_NAME = "run-name"
+# Evaluation messages to a held-out client (held-out-clients): fine-tune the personal
+# part from a new client's start, then test; nothing is kept. Its reply says so too.
+HELD_OUT = "held-out"
 
 # Query messages (``MessageType.QUERY``), by their ``config["query"]``.
 PARTITION_QUERY = "partition"  # load this node's partition; report its class counts

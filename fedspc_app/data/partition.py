@@ -92,6 +92,9 @@ class Partition:
         The run-config's ``partition`` this was drawn with (a key of ``SCHEMES``).
     classes_per_client : int or None
         ``S`` of the ``classes`` scheme; ``None`` for ``dirichlet``.
+    held_out : int, default 0
+        The last ``held_out`` clients never train (``held-out-clients``; see
+        :func:`hold_out`).
 
     Notes
     -----
@@ -110,6 +113,7 @@ class Partition:
     tries: int
     scheme: str = "dirichlet"
     classes_per_client: int | None = None
+    held_out: int = 0
     # Per-client, per-class counts, recorded by the partitioners so that
     # train_counts()/test_counts() need no labels.
     _train_counts: np.ndarray | None = field(default=None, repr=False)
@@ -158,6 +162,7 @@ class Partition:
             f"Partition(num_clients={self.num_clients}, num_classes={self.num_classes}, "
             f"scheme={self.scheme!r}, alpha={self.alpha!r}, "
             f"classes_per_client={self.classes_per_client!r}, seed={self.seed}, tries={self.tries}, "
+            + (f"held_out={self.held_out}, " if self.held_out else "") +
             f"train_sizes={train}, test_sizes={test})"
         )
 
@@ -172,6 +177,7 @@ class Partition:
             and self.classes_per_client == other.classes_per_client
             and self.seed == other.seed
             and self.tries == other.tries
+            and self.held_out == other.held_out
             and np.array_equal(self.proportions, other.proportions)
             and all(np.array_equal(a, b) for a, b in zip(self.train_indices, other.train_indices))
             and all(np.array_equal(a, b) for a, b in zip(self.test_indices, other.test_indices))
@@ -221,6 +227,7 @@ class Partition:
             self.scheme, alpha=self.alpha, classes_per_client=self.classes_per_client,
             seed=self.seed, tries=self.tries,
             train_counts=self.train_counts(), test_counts=self.test_counts(),
+            held_out=self.held_out,
         )
 
 
@@ -233,6 +240,7 @@ def partition_summary(
     tries: int,
     train_counts: Any,
     test_counts: Any,
+    held_out: int = 0,
 ) -> dict[str, Any]:
     """The ``partition.json`` form of a partition, from its per-client class counts.
 
@@ -250,6 +258,9 @@ def partition_summary(
         The partition's seed and number of draws.
     train_counts, test_counts : array-like
         Images per client and class, ``[num_clients, num_classes]``.
+    held_out : int, default 0
+        How many of the last clients never train (recorded as ``held_out_clients``
+        when positive).
 
     Returns
     -------
@@ -279,7 +290,10 @@ def partition_summary(
         data["unused_classes"] = np.flatnonzero(~held.any(axis=0)).tolist()
     data.update(seed=int(seed), tries=int(tries), train_counts=train.tolist(),
                 test_counts=test.tolist())
+    if held_out:
+        data["held_out_clients"] = int(held_out)
     return data
+
 
 
 # --------------------------------------------------------------------------- #

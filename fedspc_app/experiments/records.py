@@ -26,6 +26,7 @@ MISSING = "—"
 # Per-round metrics a record keeps besides accuracy (the drift figure's and table's).
 BEFORE_AGGREGATION = "accuracy-before-aggregation"
 GLOBAL_ACCURACY = "global-accuracy"  # a personal-model method's global model (evaluate-global-model)
+HELD_OUT = "held-out-accuracy"  # the clients that never trained (held-out-clients)
 SERIES = (*DRIFT_COLUMNS, "global-reference-norm", "train-loss", BEFORE_AGGREGATION,
           GLOBAL_ACCURACY)
 METHOD_NAMES = {
@@ -72,6 +73,8 @@ class ResultRecord:
     series: Mapping[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     client_accuracy: Mapping[str, float] = field(default_factory=dict)
     client_train_sizes: Mapping[str, int] = field(default_factory=dict)
+    # The held-out clients' mean accuracy in the last evaluated round (held-out-clients).
+    held_out_accuracy: float | None = None
     # (first round, code identity) of each segment of the run (config.json); the
     # identity is None where the run did not record it.
     code: tuple[tuple[int, str | None], ...] = ()
@@ -138,6 +141,9 @@ def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
 
     clients = next((r["client-accuracy"] for r in reversed(rows) if isinstance(r, dict)
                     and isinstance(r.get("client-accuracy"), dict)), {})
+    held_out = next((float(r[HELD_OUT]) for r in reversed(rows) if isinstance(r, dict)
+                     and isinstance(r.get("accuracy"), (int, float))
+                     and isinstance(r.get(HELD_OUT), (int, float))), None)
 
     if summary.get("complete") is True:
         status = "complete"
@@ -181,6 +187,7 @@ def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
                          if isinstance(v, (int, float))},
         client_train_sizes=_train_sizes(run_dir) if kind == FEDERATED else {},
         code=_code_segments(config),
+        held_out_accuracy=held_out,
     )
 
 
@@ -295,7 +302,10 @@ def delta_over_shared_seeds(base: Sequence[ResultRecord], spc: Sequence[ResultRe
 
 
 def _accuracy(record: ResultRecord, metric: str) -> float | None:
-    value = record.final_accuracy if metric == "final" else record.best_accuracy
+    """Accuracy (%) of ``record`` for ``metric``: ``final``, ``best`` or ``held-out``
+    (the held-out clients' in the last evaluated round)."""
+    value = {"final": record.final_accuracy, "best": record.best_accuracy,
+             HELD_OUT: record.held_out_accuracy}[metric]
     return None if value is None else 100.0 * value
 
 

@@ -36,6 +36,7 @@ from fedspc_app.experiments.records import (
     BEFORE_AGGREGATION,
     CENTRALIZED,
     FEDERATED,
+    HELD_OUT,
     LOCAL,
     MISSING,
     ResultRecord,
@@ -78,10 +79,13 @@ def _num(value: float | None) -> Any:
 def table1(records: Sequence[ResultRecord], *, metric: str = "final") -> Table:
     """Table 1 format: rows method (with +FedSPC variants) × α, columns settings.
 
-    ``metric`` is ``"final"`` (final-round accuracy, the paper's) or ``"best"``.
+    ``metric`` is ``"final"`` (final-round accuracy, the paper's) or ``"best"``. With
+    held-out clients (``held-out-clients``) the final table adds each setting's
+    held-out accuracy (the clients that never trained, last evaluated round).
     """
     settings = settings_of(records)
     federated = [r for r in records if r.kind == FEDERATED]
+    held = _has_held_out(federated, metric)
     rows, csv_rows = [], []
     for method in methods_of(federated):
         for fedspc in (False, True):
@@ -90,21 +94,39 @@ def table1(records: Sequence[ResultRecord], *, metric: str = "final") -> Table:
                 label = display_method(method) + ("+FedSPC" if fedspc else "")
                 row = [label, alpha_text(alpha)]
                 for setting in settings:
-                    stat = cell_stat(federated, method=method, fedspc=fedspc, alpha=alpha,
-                                     setting=setting, metric=metric)
-                    row.append(stat.text())
+                    stats = [cell_stat(federated, method=method, fedspc=fedspc, alpha=alpha,
+                                       setting=setting, metric=m)
+                             for m in ((metric, HELD_OUT) if held else (metric,))]
+                    row += [stat.text() for stat in stats]
                     csv_rows.append([display_method(method), str(fedspc).lower(),
-                                     alpha_text(alpha), setting, _num(stat.mean),
-                                     _num(stat.std), stat.n])
+                                     alpha_text(alpha), setting,
+                                     *[v for stat in stats
+                                       for v in (_num(stat.mean), _num(stat.std), stat.n)]])
                 rows.append(row)
-    return Table(columns=["Method", "α", *settings], rows=rows,
-                 numeric=(False, False, *[True] * len(settings)),
-                 csv_columns=["method", "fedspc", "alpha", "setting", "accuracy", "std", "n"],
-                 csv_rows=csv_rows, notes=tuple(centralized_lines(records, metric=metric)))
+    columns = [c for setting in settings
+               for c in ((setting, f"{setting} held out") if held else (setting,))]
+    return Table(columns=["Method", "α", *columns], rows=rows,
+                 numeric=(False, False, *[True] * len(columns)),
+                 csv_columns=["method", "fedspc", "alpha", "setting", "accuracy", "std", "n",
+                              *(("held_out", "held_out_std", "held_out_n") if held else ())],
+                 csv_rows=csv_rows, notes=tuple(
+                     ([HELD_OUT_NOTE] if held else [])
+                     + centralized_lines(records, metric=metric)))
+
+
+HELD_OUT_NOTE = ("\"held out\": the mean accuracy of the clients that never trained "
+                 "(held-out-clients), each tested after fine-tuning from the final shared "
+                 "block (held-out-parts, held-out-epochs).")
+
+
+def _has_held_out(records: Sequence[ResultRecord], metric: str) -> bool:
+    """Whether a final-accuracy table gets held-out columns: some run has them."""
+    return metric == "final" and any(r.held_out_accuracy is not None for r in records)
 
 
 def table3(records: Sequence[ResultRecord], *, metric: str = "final") -> Table:
-    """Table 3 format: rows PFL method × α; per setting Base, +FedSPC and Δ.
+    """Table 3 format: rows PFL method × α; per setting Base, +FedSPC and Δ (and, with
+    held-out clients in a final table, the same three for their accuracy).
 
     Methods appear when some cell runs them with FedSPC.
     """
@@ -112,34 +134,45 @@ def table3(records: Sequence[ResultRecord], *, metric: str = "final") -> Table:
     federated = [r for r in records if r.kind == FEDERATED]
     methods = [m for m in methods_of(federated) if any(r.method == m and r.fedspc
                                                         for r in federated)]
+    held = _has_held_out(federated, metric)
+    metrics = (metric, HELD_OUT) if held else (metric,)
     columns = ["Method", "α"]
     for setting in settings:
-        columns += [f"{setting} Base", f"{setting} +FedSPC", f"{setting} Δ"]
+        for m in metrics:
+            name = setting if m == metric else f"{setting} held out"
+            columns += [f"{name} Base", f"{name} +FedSPC", f"{name} Δ"]
     rows, csv_rows, uneven = [], [], []
     for method in methods:
         for alpha in alphas_of(r for r in federated if r.method == method):
             row = [display_method(method), alpha_text(alpha)]
             for setting in settings:
-                sides = [cell_runs(federated, method=method, fedspc=flag, alpha=alpha,
-                                   setting=setting, metric=metric) for flag in (False, True)]
-                base, spc = (runs_stat(side, metric=metric) for side in sides)
-                seeds = [sorted({r.seed for r in side}) for side in sides]
-                if seeds[0] and seeds[1] and seeds[0] != seeds[1]:
-                    uneven.append(f"{display_method(method)} α {alpha_text(alpha)} "
-                                  f"{setting} (Base seeds {_seed_list(seeds[0])}, "
-                                  f"+FedSPC {_seed_list(seeds[1])})")
-                delta = delta_over_shared_seeds(*sides, metric=metric)
-                row += [base.text(), spc.text(), delta_text(delta)]
+                numbers = []
+                for m in metrics:
+                    sides = [cell_runs(federated, method=method, fedspc=flag, alpha=alpha,
+                                       setting=setting, metric=m) for flag in (False, True)]
+                    base, spc = (runs_stat(side, metric=m) for side in sides)
+                    seeds = [sorted({r.seed for r in side}) for side in sides]
+                    if m == metric and seeds[0] and seeds[1] and seeds[0] != seeds[1]:
+                        uneven.append(f"{display_method(method)} α {alpha_text(alpha)} "
+                                      f"{setting} (Base seeds {_seed_list(seeds[0])}, "
+                                      f"+FedSPC {_seed_list(seeds[1])})")
+                    delta = delta_over_shared_seeds(*sides, metric=m)
+                    row += [base.text(), spc.text(), delta_text(delta)]
+                    numbers += [_num(base.mean), _num(base.std), base.n,
+                                _num(spc.mean), _num(spc.std), spc.n, _num(delta)]
                 csv_rows.append([display_method(method), alpha_text(alpha), setting,
-                                 _num(base.mean), _num(base.std), base.n,
-                                 _num(spc.mean), _num(spc.std), spc.n, _num(delta)])
+                                 *numbers])
             rows.append(row)
     return Table(columns=columns, rows=rows,
-                 numeric=(False, False, *[True] * (3 * len(settings))),
+                 numeric=(False, False, *[True] * (len(columns) - 2)),
                  csv_columns=["method", "alpha", "setting", "base", "base_std", "base_n",
-                              "fedspc", "fedspc_std", "fedspc_n", "delta"],
+                              "fedspc", "fedspc_std", "fedspc_n", "delta",
+                              *(("held_out_base", "held_out_base_std", "held_out_base_n",
+                                 "held_out_fedspc", "held_out_fedspc_std",
+                                 "held_out_fedspc_n", "held_out_delta") if held else ())],
                  csv_rows=csv_rows, notes=tuple(
                      ([UNEVEN_NOTE + "; ".join(uneven) + "."] if uneven else [])
+                     + ([HELD_OUT_NOTE] if held else [])
                      + local_lines(federated, metric=metric)
                      + centralized_lines(records, metric=metric)))
 
@@ -502,26 +535,35 @@ def centralized_table(records: Sequence[ResultRecord]) -> Table:
 
 
 def runs_table(records: Sequence[ResultRecord]) -> Table:
-    """One row per cell: status, rounds, final and best accuracy, wall time."""
+    """One row per cell: status, rounds, final and best accuracy, wall time (and the
+    held-out clients' final accuracy when a run has them)."""
+    held = any(r.held_out_accuracy is not None for r in records)
     rows, csv_rows = [], []
     for r in records:
         final = MISSING if r.final_accuracy is None else f"{100 * r.final_accuracy:.2f}"
         best = MISSING if r.best_accuracy is None else f"{100 * r.best_accuracy:.2f}"
         wall = MISSING if r.wall_seconds is None else format_duration(r.wall_seconds)
         code = _run_code(r)
+        held_out = (MISSING if r.held_out_accuracy is None
+                    else f"{100 * r.held_out_accuracy:.2f}")
         rows.append([r.name, r.status, MISSING if r.rounds is None else str(r.rounds),
                      final, best, MISSING if r.best_round is None else str(r.best_round),
-                     wall, code])
+                     *([held_out] if held else []), wall, code])
         csv_rows.append([r.name, r.kind, r.status, "" if r.rounds is None else r.rounds,
                          _num(None if r.final_accuracy is None else 100 * r.final_accuracy),
                          _num(None if r.best_accuracy is None else 100 * r.best_accuracy),
                          "" if r.best_round is None else r.best_round,
+                         *([_num(None if r.held_out_accuracy is None
+                                 else 100 * r.held_out_accuracy)] if held else []),
                          _num(r.wall_seconds), code])
     return Table(columns=["Run", "Status", "Rounds", "Final (%)", "Best (%)", "Best round",
-                          "Wall time", "Code"], rows=rows,
-                 numeric=(False, False, True, True, True, True, True, False),
+                          *(["Held out (%)"] if held else []), "Wall time", "Code"],
+                 rows=rows,
+                 numeric=(False, False, True, True, True, True, *([True] if held else []),
+                          True, False),
                  csv_columns=["run", "kind", "status", "rounds", "final", "best",
-                              "best_round", "wall_seconds", "code"],
+                              "best_round", *(["held_out"] if held else []),
+                              "wall_seconds", "code"],
                  csv_rows=csv_rows)
 
 

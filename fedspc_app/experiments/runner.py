@@ -131,7 +131,8 @@ def describe(cell: Cell) -> str:
              if rc.get("partition") == "classes" else f"alpha={float(rc['alpha'])!r}")
     return (f"{what} {label} {split} seed={rc['seed']} | "
             f"{rc['num-rounds']} rounds, E={rc['local-epochs']}, "
-            f"lr {rc['learning-rate']:g}, batch {rc['batch-size']}")
+            f"lr {rc['learning-rate']:g}, batch {rc['batch-size']}"
+            + (f", {rc['held-out-clients']} held out" if rc.get("held-out-clients") else ""))
 
 
 def log_path(grid: Grid, cell: Cell) -> Path:

@@ -54,6 +54,9 @@ DRIFT_PER_CLIENT = ("client-update-norms", "client-update-cosines")
 CHECKPOINT_SECONDS = "checkpoint-seconds"
 # evaluate-server: the server's model on the whole test set (fedspc_app/server_eval.py).
 SERVER_COLUMNS = ("server-accuracy", "server-loss", "server-evaluate-seconds")
+# held-out-clients: the clients that never trained, tested after their fine-tuning
+# (strategies/personalized.py): their mean accuracy, weighted accuracy and loss.
+HELD_OUT_COLUMNS = ("held-out-accuracy", "held-out-weighted-accuracy", "held-out-loss")
 CONFIG_JSON, METRICS_JSON, METRICS_CSV, SUMMARY_JSON = (
     "config.json", "metrics.json", "metrics.csv", "summary.json")
 SCALAR_COLUMNS = (
@@ -61,7 +64,7 @@ SCALAR_COLUMNS = (
     "train-clients", "bytes-sent", "bytes-received", "train-images", "images-per-second",
     "round-seconds", "elapsed-seconds", "failed", "train-dropped", "evaluate-dropped",
     *DRIFT_COLUMNS, "global-reference-norm", "accuracy-before-aggregation", "global-accuracy",
-    *SERVER_COLUMNS, *TIMING_COLUMNS,
+    *HELD_OUT_COLUMNS, *SERVER_COLUMNS, "learning-rate", *TIMING_COLUMNS,
     CHECKPOINT_SECONDS, "dp-epsilon",
 )
 
@@ -330,6 +333,8 @@ class RunRecorder:
             for key in (*DRIFT_PER_CLIENT, "client-accuracy-before-aggregation"):
                 if key in train and ids:
                     row[key] = {i: _clean(float(v)) for i, v in zip(ids, train[key])}
+            if "learning-rate" in train:  # lr-schedule: the round's η
+                row["learning-rate"] = float(train["learning-rate"])
             if CHECKPOINT_SECONDS in train:
                 row[CHECKPOINT_SECONDS] = round(float(train[CHECKPOINT_SECONDS]), 4)
             if "global-reference-norm" in train:
@@ -354,6 +359,12 @@ class RunRecorder:
                 row["client-global-accuracy"] = {
                     str(pid): _clean(float(acc)) for pid, acc in
                     zip(evaluate["client-ids"], evaluate["client-global-accuracy"])}
+            if "held-out-accuracy" in evaluate:
+                for key in HELD_OUT_COLUMNS:
+                    row[key] = _clean(float(evaluate[key]))
+                row["client-held-out-accuracy"] = {
+                    str(pid): _clean(float(acc)) for pid, acc in
+                    zip(evaluate["held-out-client-ids"], evaluate["held-out-client-accuracy"])}
         self.rounds.append(row)
         self._write_metrics()
         self.scalars.write(row)
@@ -367,6 +378,8 @@ class RunRecorder:
         eta = format_duration(mean * (total - done))
         acc = row.get("accuracy")
         acc_text = "n/a" if acc is None else f"{100 * acc:6.2f}%"
+        if row.get("held-out-accuracy") is not None:
+            acc_text += f" (held out {100 * row['held-out-accuracy']:.2f}%)"
         if row.get("failed"):
             acc_text = f"FAILED ({row['train-dropped']} unusable replies)"
         loss = row.get("loss")
@@ -412,6 +425,8 @@ class RunRecorder:
                 "final-loss": final["loss"],
                 **({"final-server-accuracy": final["server-accuracy"]}
                    if "server-accuracy" in final else {}),
+                **({"final-held-out-accuracy": final["held-out-accuracy"]}
+                   if "held-out-accuracy" in final else {}),
                 "best-round": best["round"],
                 "best-accuracy": best["accuracy"],
                 "bytes-sent": sum(r["bytes-sent"] for r in self.rounds),

@@ -9,8 +9,9 @@ Tags: ``<group>/<column>`` for a row's scalar columns, ``<column>/<partition id>
 its per-client ones (each its own TensorBoard section, one chart per client):
 
 * ``accuracy/``: ``accuracy``, ``weighted-accuracy``, ``global-accuracy``,
-  ``accuracy-before-aggregation``;
-* ``loss/``: ``loss``, ``train-loss``;
+  ``accuracy-before-aggregation``, ``server-accuracy``, ``held-out-accuracy``,
+  ``held-out-weighted-accuracy``;
+* ``loss/``: ``loss``, ``train-loss``, ``server-loss``, ``held-out-loss``;
 * ``drift/``: the drift diagnostics of the shared block and ``global-reference-norm``;
 * ``traffic/``: ``bytes-sent``, ``bytes-received``;
 * ``clients/``: how many clients trained, evaluated, failed or were dropped, and the
@@ -18,8 +19,9 @@ its per-client ones (each its own TensorBoard section, one chart per client):
 * ``time/``: every ``*-seconds`` column (round, elapsed, phase timings, checkpoint)
   and ``images-per-second``;
 * ``privacy/``: ``dp-epsilon`` (differential privacy's account);
+* ``schedule/``: ``learning-rate`` (the clients' η of the round, with ``lr-schedule``);
 * ``other/``: any further numeric column;
-* ``client-accuracy/<k>``, ``client-global-accuracy/<k>``,
+* ``client-accuracy/<k>``, ``client-global-accuracy/<k>``, ``client-held-out-accuracy/<k>``,
   ``client-accuracy-before-aggregation/<k>``, ``client-update-norms/<k>``,
   ``client-update-cosines/<k>``.
 
@@ -46,8 +48,9 @@ INSTALL_HINT = ('pip install -e ".[tensorboard]" in the project\'s folder, where
                 'ServerApp runs (or pip install "tensorboard>=2.16")')
 GROUPS = {
     "accuracy": ("accuracy", "weighted-accuracy", "global-accuracy",
-                 "accuracy-before-aggregation", "server-accuracy"),
-    "loss": ("loss", "train-loss", "server-loss"),
+                 "accuracy-before-aggregation", "server-accuracy", "held-out-accuracy",
+                 "held-out-weighted-accuracy"),
+    "loss": ("loss", "train-loss", "server-loss", "held-out-loss"),
     "drift": ("update-norm", "client-update-norm", "drift-dispersion", "update-cosine",
               "global-reference-norm"),
     "traffic": ("bytes-sent", "bytes-received"),
@@ -55,6 +58,7 @@ GROUPS = {
                 "train-dropped", "evaluate-dropped"),
     "time": ("images-per-second",),
     "privacy": ("dp-epsilon",),
+    "schedule": ("learning-rate",),
 }
 _GROUP_OF = {column: group for group, columns in GROUPS.items() for column in columns}
 

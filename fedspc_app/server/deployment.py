@@ -136,5 +136,6 @@ def preflight(grid: Grid, config: RunConfig, num_clients: int, shape: DatasetSha
         tries=int(rows[0][1]["tries"]),
         train_counts=[list(rows[k][1]["train-counts"]) for k in range(num_clients)],
         test_counts=[list(rows[k][1]["test-counts"]) for k in range(num_clients)],
+        held_out=config.held_out_clients,
     )
     return {**summary, "source": "reported by the SuperNodes"}
