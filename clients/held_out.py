@@ -23,7 +23,6 @@ from clients.local import ClientJob, EvaluateOutcome, assemble, device_tensors
 from clients.state import ClientState
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.methods import Block, Method
-from fedspc_app.models.run_model import load_arrays
 from fedspc_app.models.split import ParameterSplit
 from fedspc_app.training.loop import ProximalTerm, evaluate_model, train_epochs
 
@@ -68,8 +67,7 @@ def evaluate_new_client(job: ClientJob) -> EvaluateOutcome:
     keys = fine_tuned_keys(method, config, split)
     if keys:
         hooks = []
-        if method.personal_model and method.shared == "all":
-            load_arrays(model, received)
+        if method.personal_model and method.shared == "all":  # assembled as received
             anchor = device_tensors(received, [k for k in keys if k in received], data.device)
             hooks.append(ProximalTerm(anchor, float(config.ditto_lambda)))
         train_epochs(model, data.batches("train", job.generator("held-out")),

@@ -127,10 +127,11 @@ class PartitionSampler:
 
     def held_out_nodes(self, grid: Grid) -> tuple[list[int], int]:
         """The connected nodes of the held-out partitions (in partition order), and
-        how many held-out clients there are."""
+        how many held-out clients there are. It does not wait for missing nodes: it
+        follows :meth:`sample` of the same phase, which waited."""
         if not self.held_out:
             return [], 0
-        node_of = self.nodes_of(grid, self.connected(grid))
+        node_of = self.nodes_of(grid, sorted(grid.get_node_ids()))
         held = range(self.training, self.num_partitions)
         return [node_of[p] for p in held if p in node_of], self.held_out
 
