@@ -499,6 +499,37 @@ def test_differential_privacy_runs_in_a_deployment(deployment, tmp_path):
     assert config["privacy"]["noise-multiplier"] == 0.1
 
 
+@pytest.mark.deploy
+def test_a_held_out_supernode_is_only_evaluated_in_a_deployment(deployment, tmp_path):
+    """Partition 1 (the last) is held out: its SuperNode gets evaluation messages only,
+    keeps no state, and the run equals the same config in one process."""
+    held = deployment.nodes[1]
+    offset = len(held.log_text())
+    run_config = {**RUN, "num-rounds": 2, "output-dir": str(tmp_path),
+                  "run-name": "held-out", "held-out-clients": 1}
+    summary = deployment.run(run_config, log_file=tmp_path / "run.log", timeout=1200)
+    assert summary["complete"] and 0 <= summary["final-held-out-accuracy"] <= 1
+    rounds = json.loads((tmp_path / "held-out" / "metrics.json").read_text())["rounds"]
+    assert all(r["train-clients"] == 1 for r in rounds)
+    assert all(set(r["client-held-out-accuracy"]) == {"1"} for r in rounds)
+    assert all(set(r["client-accuracy"]) == {"0"} for r in rounds)
+    node_log = held.log_text()[offset:]
+    assert "train message" not in node_log and "evaluate message" in node_log
+    assert DurableState(deployment.state_dir(1) / "held-out", "held-out", 1).read() is None
+    trained = DurableState(deployment.state_dir(0) / "held-out", "held-out", 0).read()
+    assert trained.rounds_trained == 2
+    config = json.loads((tmp_path / "held-out" / "config.json").read_text())
+    assert config["held-out"]["partition-ids"] == [1]
+    # The same config in one process (the simulation's code path) gives the same run.
+    local_config = {**run_config, "num-clients": 2, "output-dir": str(tmp_path / "local")}
+    run_server(InProcessGrid(client_app.app, 2, local_config), local_config)
+    local = json.loads((tmp_path / "local" / "held-out" / "metrics.json").read_text())[
+        "rounds"]
+    for key in ("accuracy", "held-out-accuracy", "loss", "train-loss"):
+        assert [r[key] for r in rounds] == pytest.approx([r[key] for r in local],
+                                                         rel=1e-6), key
+
+
 def _refused(deployment, node) -> str:
     """Run a SuperNode the SuperLink must refuse; its log, once it exited non-zero
     and the two registered nodes are still the only ones online."""
