@@ -6,6 +6,13 @@ that is busy (another test worker, the Ray workers of an end-to-end run, a grid)
 make every step several times slower. Under pytest-xdist (``pytest -n 2``) the runs
 through ``flwr run`` and the deployments share one group, so one worker runs them
 one after another while the others take the in-process tests.
+
+On a machine with CUDA, ``device = auto`` trains the tests' runs there, and the
+tests that compare two runs bit for bit (resume, held-out clients, the plain loop
+against the apps) need kernels that repeat: the session turns on what run-config
+``deterministic = true`` turns on (PyTorch's deterministic algorithms, cuDNN's
+deterministic mode, a fixed cuBLAS workspace) before CUDA starts. On CPUs it changes
+nothing.
 """
 
 import sys
@@ -17,12 +24,16 @@ import pytest
 import torch
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedspc_app.training.precision import apply_determinism
+
 # The marks of the tests that start a SuperLink, Ray or SuperNodes.
 PROCESS_MARKS = ("e2e", "slow", "deploy")
 
 
 def pytest_configure(config):
     torch.set_num_threads(1)
+    if torch.cuda.is_available():
+        apply_determinism(True)
 
 
 @pytest.hookimpl(tryfirst=True)

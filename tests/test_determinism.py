@@ -51,9 +51,9 @@ def run(tmp_path, name, **keys):
 def test_a_deterministic_run_records_it_and_on_a_cpu_changes_nothing(tmp_path,
                                                                      restore_torch):
     torch.use_deterministic_algorithms(False)
-    plain_config, plain = run(tmp_path, "plain")
+    plain_config, plain = run(tmp_path, "plain", device="cpu")
     assert plain_config["deterministic"]["setting"] is False
-    config, rounds = run(tmp_path, "deterministic", deterministic=True)
+    config, rounds = run(tmp_path, "deterministic", deterministic=True, device="cpu")
     assert config["deterministic"] == {"setting": True, "algorithms": True,
                                        "cudnn-deterministic": True, "cudnn-benchmark": False}
     keys = ("accuracy", "loss", "train-loss", "client-accuracy")

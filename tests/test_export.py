@@ -42,6 +42,7 @@ from fedspc_app.models.split import parameter_split
 from fedspc_app.runs.checkpoint import CHECKPOINT_JSON
 from fedspc_app.training.client_data import client_data
 from fedspc_app.training.loop import evaluate_model
+from fedspc_app.training.precision import resolve_device
 
 ROOT = Path(__file__).resolve().parent.parent
 K = 3
@@ -89,7 +90,9 @@ def recorded_correct(run_dir: Path, client: int) -> int:
 
 
 def correct_of(model: torch.nn.Module, run_dir: Path, client: int) -> int:
+    """The exported model (on the CPU) evaluated where the run evaluated it."""
     config = run_config_of(run_dir)
+    model.to(resolve_device(config))
     correct, _, _ = evaluate_model(model, client_data(config, client, K).batches("test")(),
                                    **config.compute_options)
     return correct

@@ -32,6 +32,7 @@ from fedspc_app.models.split import parameter_split
 from fedspc_app.serial import run_serial
 from fedspc_app.training.client_data import client_data, seeded_generator
 from fedspc_app.training.loop import evaluate_model, train_epochs
+from fedspc_app.training.precision import resolve_device
 
 NUM_CLIENTS = 3
 # The cached runs below outlive any one test, so their folder is removed at exit.
@@ -296,12 +297,15 @@ def test_the_plain_loop_in_worker_processes_computes_what_it_computes_in_one():
     """``workers`` > 1 (the benchmark's process-parallel baseline) moves the client
     calls to spawned one-thread processes and nothing else: Ditto + FedSPC (client
     state and both references travel to the workers and back) gives the same rows.
-    One thread here too: a loss reduced on two threads may differ in its last bit."""
+    One thread here too: a loss reduced on two threads may differ in its last bit.
+    On CUDA the spawned workers need deterministic kernels as this process has them
+    (tests/conftest.py)."""
     import torch
 
     threads = torch.get_num_threads()
     grid, _ = run_app("ditto", True)
-    config = parse_run_config(grid.contexts[1].run_config)
+    config = parse_run_config({**grid.contexts[1].run_config,
+                               "deterministic": torch.cuda.is_available()})
     keys = ("accuracy", "loss", "train-loss", "train-images", "client-accuracy")
     torch.set_num_threads(1)
     try:
@@ -364,7 +368,7 @@ def test_ditto_evaluates_the_received_global_model_on_request():
         evaluations = [m for m in grid.sent if m.metadata.message_type == MessageType.EVALUATE
                        and m.content.config_records["config"]["server-round"] == row["round"]]
         sent = from_record(evaluations[0].content.array_records["arrays"])
-        model = make_model(config, dataset)
+        model = make_model(config, dataset).to(resolve_device(config))
         load_arrays(model, sent)
         expected = {}
         for k in range(NUM_CLIENTS):

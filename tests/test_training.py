@@ -130,6 +130,24 @@ def test_the_run_records_the_resolved_precision_and_warns_once_for_emulated_bf16
         f"{'bf16' if native else 'fp32'} (auto) + channels-last")
 
 
+def test_fp32_on_cuda_turns_tf32_off_and_says_so():
+    """PyTorch lets cuDNN run float32 convolutions in TF32; fp32 here means fp32."""
+    from fedspc_app.training.loop import autocast
+
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+        autocast(torch.device("cpu"), "fp32")
+        assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
+        autocast(torch.device("cuda"), "fp32")
+        assert not torch.backends.cudnn.allow_tf32
+        assert not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+    assert precision_module.precision_report("fp32", "cuda")["tf32"] is False
+    assert "tf32" not in precision_module.precision_report("fp32", "cpu")
+
+
 def test_each_supernode_resolves_auto_for_its_own_device():
     from fedspc_app import server_app
     from fedspc_app.core.config import parse_run_config

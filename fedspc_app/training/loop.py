@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedspc_app.core.errors import DivergenceError
-from fedspc_app.training.precision import resolve_precision
+from fedspc_app.training.precision import resolve_precision, strict_fp32
 
 Batches = Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]]
 """A callable returning a fresh iterator over one epoch of (images, labels)."""
@@ -243,7 +243,13 @@ def _check_finite(named: Mapping[str, nn.Parameter], keys: Iterable[str], when: 
 
 def autocast(device: torch.device, precision: str):
     """bfloat16 autocast for ``precision = bf16`` (and ``auto`` where the device has
-    native bfloat16, :mod:`fedspc_app.training.precision`); a no-op for ``fp32``."""
+    native bfloat16, :mod:`fedspc_app.training.precision`); a no-op for ``fp32``.
+
+    On CUDA, fp32 means fp32: cuDNN would otherwise run convolutions in TF32 (10-bit
+    mantissa), PyTorch's default, so its TF32 switch is turned off for the process
+    (:func:`~fedspc_app.training.precision.strict_fp32`)."""
+    if device.type == "cuda":
+        strict_fp32()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16,
                           enabled=resolve_precision(precision, device) == "bf16")
 

@@ -50,12 +50,23 @@ def resolve_precision(precision: str, device: torch.device | str) -> str:
     return precision
 
 
+def strict_fp32() -> None:
+    """No TensorFloat-32 in this process: float32 matrix products and convolutions on
+    CUDA keep their 23-bit mantissa (PyTorch lets cuDNN use TF32 by default)."""
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def precision_report(precision: str, device: torch.device | str) -> dict[str, object]:
     """What a run records of its precision: the setting, what it resolves to on
-    ``device`` and whether that device computes bfloat16 natively."""
+    ``device``, whether that device computes bfloat16 natively and, on CUDA, that
+    float32 work does not use TF32."""
     device = torch.device(device)
-    return {"setting": precision, "resolved": resolve_precision(precision, device),
-            "device": device.type, "native-bf16": native_bf16(device)}
+    report = {"setting": precision, "resolved": resolve_precision(precision, device),
+              "device": device.type, "native-bf16": native_bf16(device)}
+    if device.type == "cuda":
+        report["tf32"] = False
+    return report
 
 
 def emulation_warning(precision: str, device: torch.device | str) -> str | None:
