@@ -63,6 +63,21 @@ def run_server(grid: InProcessGrid, run_config: dict) -> None:
                                   run_config=run_config))
 
 
+def in_one_process(run_config: dict, folder: Path) -> list[dict]:
+    """The rounds of ``run_config`` on 2 clients in one process (the simulation's code
+    path), its results under ``folder``."""
+    local = {**run_config, "num-clients": 2, "output-dir": str(folder)}
+    run_server(InProcessGrid(client_app.app, 2, local), local)
+    return json.loads((folder / local["run-name"] / "metrics.json").read_text())["rounds"]
+
+
+def assert_same_rounds(rounds: list[dict], other: list[dict], keys: tuple[str, ...],
+                       rel: float) -> None:
+    for key in keys:
+        assert [r[key] for r in rounds] == pytest.approx([r[key] for r in other],
+                                                         rel=rel), key
+
+
 @pytest.fixture
 def deployed(monkeypatch):
     """The ServerApp takes the deployment code path (as under Flower's HTTP Grid)."""
@@ -438,14 +453,8 @@ def test_tls_and_node_auth_deployment_trains_fedrep_with_fedspc(deployment, tmp_
     assert rounds[-1]["global-reference-norm"] > 0
     print("deployment round-seconds:", [r["round-seconds"] for r in rounds])
     # The same config in one process (the simulation's code path) gives the same run.
-    local_config = {**RUN, "num-rounds": 2, "num-clients": 2,
-                    "output-dir": str(tmp_path / "local"), "run-name": "local"}
-    run_server(InProcessGrid(client_app.app, 2, local_config), local_config)
-    local_rounds = json.loads((tmp_path / "local" / "local" / "metrics.json").read_text())[
-        "rounds"]
-    for key in ("accuracy", "loss", "train-loss"):
-        assert [r[key] for r in rounds] == pytest.approx([r[key] for r in local_rounds],
-                                                         rel=1e-6), key
+    local = in_one_process({**RUN, "num-rounds": 2, "run-name": "local"}, tmp_path / "local")
+    assert_same_rounds(rounds, local, ("accuracy", "loss", "train-loss"), rel=1e-6)
     config = json.loads((run_dir / "config.json").read_text())
     assert config["runtime"] == "deployment" and config["num-clients"] == 2
     partition = json.loads((run_dir / "partition.json").read_text())
@@ -521,13 +530,9 @@ def test_a_held_out_supernode_is_only_evaluated_in_a_deployment(deployment, tmp_
     config = json.loads((tmp_path / "held-out" / "config.json").read_text())
     assert config["held-out"]["partition-ids"] == [1]
     # The same config in one process (the simulation's code path) gives the same run.
-    local_config = {**run_config, "num-clients": 2, "output-dir": str(tmp_path / "local")}
-    run_server(InProcessGrid(client_app.app, 2, local_config), local_config)
-    local = json.loads((tmp_path / "local" / "held-out" / "metrics.json").read_text())[
-        "rounds"]
-    for key in ("accuracy", "held-out-accuracy", "loss", "train-loss"):
-        assert [r[key] for r in rounds] == pytest.approx([r[key] for r in local],
-                                                         rel=1e-6), key
+    local = in_one_process(run_config, tmp_path / "local")
+    assert_same_rounds(rounds, local, ("accuracy", "held-out-accuracy", "loss", "train-loss"),
+                       rel=1e-6)
 
 
 def _refused(deployment, node) -> str:
@@ -644,15 +649,11 @@ def test_a_killed_superlink_resumes_the_run_from_its_checkpoint(deployment, tmp_
     config = json.loads((run_dir / "config.json").read_text())
     assert config["resumed-after-round"] in (2, 3)  # 3: round 3's aggregation was saved
     # The uninterrupted run of the same config, in one process.
-    local_config = {**run_config, "num-clients": 2, "output-dir": str(tmp_path / "local")}
-    run_server(InProcessGrid(client_app.app, 2, local_config), local_config)
+    whole = in_one_process(run_config, tmp_path / "local")
     resumed = json.loads((run_dir / "metrics.json").read_text())["rounds"]
-    whole = json.loads((tmp_path / "local" / "resumed" / "metrics.json").read_text())["rounds"]
     assert [(r["round"], r["accuracy"], r["client-accuracy"]) for r in resumed] == \
         [(r["round"], r["accuracy"], r["client-accuracy"]) for r in whole]
-    for key in ("loss", "train-loss"):
-        assert [r[key] for r in resumed] == pytest.approx([r[key] for r in whole],
-                                                          rel=1e-3), key
+    assert_same_rounds(resumed, whole, ("loss", "train-loss"), rel=1e-3)
 
 
 def _rounds(run_dir: Path) -> int:
