@@ -116,8 +116,15 @@ def build_strategy(config: RunConfig, method: Method, split: ParameterSplit,
         held_out_clients=config.held_out_clients,
     )
     if method.control_variates or config.fedspc:
+        if config.aggregation == "krum":
+            log(WARNING, "aggregation 'krum' with FedSPC: u_bar's step each round is the "
+                "one selected client's reference change, which made u_bar that client's "
+                "drift and cost FedRep + FedSPC 22 points on CIFAR-100 "
+                "(docs/robustness.md); 'multi-krum', 'median' or 'trimmed-mean' keep "
+                "more than one client")
         return FedSPC(corrected_keys=split.corrected, learning_rate=config.learning_rate,
-                      upload=config.fedspc_upload, **common)
+                      upload=config.fedspc_upload, reference=config.fedspc_reference,
+                      **common)
     return PersonalizedFedAvg(**common)
 
 

@@ -20,6 +20,17 @@ follows the same rule: the sum of the changes is replaced by the number of accep
 replies times the coordinate-wise median or trimmed mean of the changes, or the mean
 of the changes of the clients Krum selects. A server optimizer moves theta_s only.
 
+u_bar is then the running sum of the rounds' robust centres, and a bias that has
+the same sign every round (one persistent attacker shifts the median of the changes
+a little, always the same way) accumulates in it. ``reference="client-centre"`` is a
+variant that does not accumulate: the server keeps every training client's u_k (it
+can: u_k^0 = 0 and the server has every accepted change; K copies of the corrected
+block in memory and in the checkpoint) and sets u_bar to the rule's centre of all K
+of them, clients that have not trained yet counting with u_k = 0. Under the mean it
+is Algorithm 1 (u_bar stays the mean of the u_k), up to float rounding; under a
+robust rule u_bar stays inside the honest clients' range whatever the rounds. Off by
+default (``reference="increment"``, Algorithm 1 with the rule on the changes).
+
 Under differential privacy (``privacy``) u_bar is computed from the privatized
 aggregate only: every client takes the same public number of steps E, so the sum of
 the changes is ``-m u_bar - m mean~/(E eta)`` with ``mean~`` the noised mean update,
@@ -39,6 +50,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedspc_app.core.correction import (
+    add,
     global_reference_update,
     reference_change,
     shared_update,
@@ -48,6 +60,7 @@ from fedspc_app.core.protocol import (
     ARRAYS,
     GLOBAL_REFERENCE,
     METRICS,
+    PARTITION_ID,
     REFERENCE_CHANGE,
     REFERENCE_UPLOAD,
     SHARED_STEPS,
@@ -55,6 +68,10 @@ from fedspc_app.core.protocol import (
 from fedspc_app.core.records import ArrayDict, from_record, to_record
 from strategies.aggregation import robust_reference_sum
 from strategies.personalized import PersonalizedFedAvg
+
+REFERENCE_RULES = ("increment", "client-centre")
+# The checkpoint's key prefix of a tracked u_k ("client-centre"): client/<pid>/<key>.
+CLIENT_REFERENCE = "client/"
 
 
 class FedSPC(PersonalizedFedAvg):
@@ -69,6 +86,10 @@ class FedSPC(PersonalizedFedAvg):
         The clients' local learning rate eta.
     upload : {"derived", "explicit"} (default: "derived")
         Whether clients upload their reference change or the server derives it.
+    reference : {"increment", "client-centre"} (default: "increment")
+        How u_bar follows the clients: Algorithm 1's increment by the (rule's centre
+        of the) reference changes, or the rule's centre of every client's u_k, which
+        the server then keeps.
     **kwargs
         The arguments of :class:`PersonalizedFedAvg` (``shared_keys`` and so on).
     """
@@ -79,24 +100,33 @@ class FedSPC(PersonalizedFedAvg):
         corrected_keys: Sequence[str],
         learning_rate: float,
         upload: str = "derived",
+        reference: str = "increment",
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
         if upload not in ("derived", "explicit"):
             raise ValueError(f"upload must be 'derived' or 'explicit', got {upload!r}")
+        if reference not in REFERENCE_RULES:
+            raise ValueError(f"reference must be one of {REFERENCE_RULES}, got {reference!r}")
+        if reference == "client-centre" and self.privacy is not None:
+            raise ValueError("reference 'client-centre' needs every client's reference "
+                             "change, which differential privacy does not release")
         missing = set(corrected_keys) - set(self.shared_keys)
         if missing:
             raise ValueError(f"corrected keys outside the shared block: {sorted(missing)[:3]}")
         self.corrected_keys = tuple(corrected_keys)
         self.learning_rate = float(learning_rate)
         self.upload = upload
+        self.reference = reference
         self.global_reference: ArrayDict | None = None
+        self.client_references: dict[int, ArrayDict] = {}  # "client-centre": u_k by pid
         self.num_clients = 0
         self.round_learning_rate = self.learning_rate
 
     def summary(self) -> None:
-        log(INFO, "\t├──> FedSPC: %d corrected keys, eta=%g, reference change %s",
-            len(self.corrected_keys), self.learning_rate, self.upload)
+        log(INFO, "\t├──> FedSPC: %d corrected keys, eta=%g, reference change %s, "
+            "u_bar by %s", len(self.corrected_keys), self.learning_rate, self.upload,
+            self.reference)
         super().summary()
 
     # ------------------------------------------------------------------ state
@@ -104,18 +134,35 @@ class FedSPC(PersonalizedFedAvg):
         return {**super().state_dict(), "num-clients": self.num_clients}
 
     def state_arrays(self) -> ArrayDict:
-        """u_bar, for a checkpoint (empty before round 1)."""
-        return dict(self.global_reference or {})
+        """u_bar and the tracked u_k (``client/<pid>/<key>``), for a checkpoint
+        (empty before round 1)."""
+        arrays = dict(self.global_reference or {})
+        for pid, reference in self.client_references.items():
+            arrays.update({f"{CLIENT_REFERENCE}{pid}/{key}": value
+                           for key, value in reference.items()})
+        return arrays
 
     def load_state_dict(self, state: dict, completed_round: int,
                         global_reference: ArrayDict | None = None) -> None:
         super().load_state_dict(state, completed_round)
         self.num_clients = int(state.get("num-clients", 0))
-        if global_reference:
-            if set(global_reference) != set(self.corrected_keys):
-                raise ValueError("the checkpoint's u_bar does not cover the corrected keys")
-            self.global_reference = {key: np.asarray(value, dtype=np.float32)
-                                     for key, value in global_reference.items()}
+        if not global_reference:
+            return
+        tracked: dict[int, ArrayDict] = {}
+        for name in [n for n in global_reference if n.startswith(CLIENT_REFERENCE)]:
+            pid, key = name[len(CLIENT_REFERENCE):].split("/", 1)
+            tracked.setdefault(int(pid), {})[key] = np.asarray(global_reference.pop(name),
+                                                                dtype=np.float32)
+        if set(global_reference) != set(self.corrected_keys):
+            raise ValueError("the checkpoint's u_bar does not cover the corrected keys")
+        if any(set(reference) != set(self.corrected_keys) for reference in tracked.values()):
+            raise ValueError("a tracked u_k of the checkpoint does not cover the corrected keys")
+        if self.reference == "client-centre" and completed_round > 0 and not tracked:
+            raise ValueError("the checkpoint keeps no u_k: it was written with "
+                             "reference 'increment'")
+        self.global_reference = {key: np.asarray(value, dtype=np.float32)
+                                 for key, value in global_reference.items()}
+        self.client_references = tracked
 
     # ------------------------------------------------------------------ training
     def configure_train(
@@ -177,7 +224,9 @@ class FedSPC(PersonalizedFedAvg):
         (step 4); a failed round changes neither."""
         arrays, metrics = super().aggregate_accepted(server_round, accepted)
         changes: Iterable[ArrayDict] = (self.reference_change_of(m) for m in accepted)
-        if self.privacy is not None:
+        if self.reference == "client-centre":
+            self.global_reference = self.client_centre(accepted, changes)
+        elif self.privacy is not None:
             # Differential privacy: from the privatized aggregate alone. Every client
             # took the same public E steps, so sum_k (u_k' - u_k) = -m u_bar -
             # sum_k Delta theta_k / (E eta), with m times the noised mean for the sum.
@@ -190,9 +239,27 @@ class FedSPC(PersonalizedFedAvg):
             # times the rule's centre of the changes (Krum: of the selected ones).
             changes = [robust_reference_sum(self.rule, list(changes), self.selected,
                                             len(accepted))]
-        self.global_reference = global_reference_update(
-            self.global_reference, changes, num_clients=max(self.num_clients, len(accepted)))
+        if self.reference == "increment":
+            self.global_reference = global_reference_update(
+                self.global_reference, changes,
+                num_clients=max(self.num_clients, len(accepted)))
         norm = float(np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2))
                                  for v in self.global_reference.values())))
         metrics["global-reference-norm"] = norm
         return arrays, metrics
+
+    def client_centre(self, accepted: Sequence[Message],
+                      changes: Iterable[ArrayDict]) -> ArrayDict:
+        """``reference="client-centre"``: add each accepted reply's change to the
+        tracked u_k of its client, then u_bar = the rule's centre of all K u_k (Krum:
+        the mean of those it selects, scored on the u_k; a client that has not trained
+        counts with u_k = 0). Under the mean this is Algorithm 1's mean of the u_k."""
+        zeros = zeros_like(self.global_reference, self.corrected_keys)
+        for message, change in zip(accepted, changes):
+            pid = int(message.content.metric_records[METRICS][PARTITION_ID])
+            self.client_references[pid] = add(self.client_references.get(pid, zeros), change)
+        count = max(self.num_clients, max(self.client_references) + 1)
+        references = [self.client_references.get(pid, zeros) for pid in range(count)]
+        chosen = [references[i] for i in self.rule.selected(references, self.corrected_keys)]
+        return {key: np.asarray(value, dtype=np.float32)
+                for key, value in self.rule.combine(chosen, [1.0] * len(chosen)).items()}

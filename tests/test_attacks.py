@@ -21,14 +21,15 @@ ROUNDS = 4
 
 @functools.cache
 def run(method: str, aggregation: str = "mean", attack: str = "none",
-        scale: float = 50.0, fedspc: bool = False) -> tuple[list[dict], str | None]:
-    name = f"{method}-{fedspc}-{aggregation}-{attack}-{scale:g}"
+        scale: float = 50.0, fedspc: bool = False,
+        reference: str = "increment") -> tuple[list[dict], str | None]:
+    name = f"{method}-{fedspc}-{aggregation}-{attack}-{scale:g}-{reference}"
     config = {"method": method, "fedspc": fedspc, "num-rounds": ROUNDS,
               "local-epochs": 1, "batch-size": 32, "alpha": 1.0, "checkpoint": False,
               "output-dir": str(OUT), "run-name": name, "overwrite": True,
               "aggregation": aggregation, "trim-fraction": 0.2, "byzantine-clients": 2,
               "attack": attack, "attack-clients": 2 if attack != "none" else 0,
-              "attack-scale": scale}
+              "attack-scale": scale, "fedspc-reference": reference}
     error = run_server(InProcessGrid(client_app.app, 10, config), config)
     rounds = json.loads((OUT / name / "metrics.json").read_text())["rounds"]
     return rounds, error
@@ -63,6 +64,18 @@ def test_u_bar_stays_in_the_attack_free_range_under_the_median(attack, scale):
     norms = [r["global-reference-norm"] for r in rounds]
     clean_norms = [r["global-reference-norm"] for r in clean]
     assert max(norms) < 3 * max(clean_norms)
+    assert accuracy(rounds) > accuracy(clean) - 0.12
+
+
+def test_u_bar_as_the_median_of_the_kept_u_k_stays_with_the_honest_clients():
+    # fedspc-reference = "client-centre": u_bar is the median of the ten u_k the
+    # server keeps; the two attackers' u_k are far off and do not move it.
+    clean, _ = run("fedrep", "median", fedspc=True, reference="client-centre")
+    rounds, error = run("fedrep", "median", attack="scale", fedspc=True,
+                        reference="client-centre")
+    assert error is None
+    norms = [r["global-reference-norm"] for r in rounds]
+    assert max(norms) < 2 * max(r["global-reference-norm"] for r in clean)
     assert accuracy(rounds) > accuracy(clean) - 0.12
 
 

@@ -268,6 +268,9 @@ def losses(rounds: list[dict]) -> list[float]:
     (10, "fedrep", {"server-optimizer": "fedadam", "server-learning-rate": 0.05}),
     (14, "fedper", {"server-optimizer": "fedavgm", "server-momentum": 0.9,
                     "aggregation": "median"}),
+    # u_bar as the median of the u_k the server keeps: they are in the checkpoint
+    # (killed in round 2's training, the resumed round 2 needs round 1's u_k).
+    (8, "fedrep", {"aggregation": "median", "fedspc-reference": "client-centre"}),
     # A decaying learning rate: the resumed run continues the schedule.
     (10, "fedrep", {"lr-schedule": "exponential", "lr-decay": 0.5}),
     # Differential privacy: the seeded noise and the privacy account continue.
@@ -294,6 +297,9 @@ def test_a_crashed_run_resumes_to_the_same_metrics(tmp, crash_at, method, extra)
     assert accuracies(resumed) == accuracies(expected)
     assert losses(resumed) == pytest.approx(losses(expected), rel=1e-4)
     assert [r.get("dp-epsilon") for r in resumed] == [r.get("dp-epsilon") for r in expected]
+    norms = [r.get("global-reference-norm", 0.0) for r in resumed]
+    assert norms == pytest.approx([r.get("global-reference-norm", 0.0) for r in expected],
+                                  rel=1e-4)
     assert_only_final_personal(tmp / "b" / "run" / "client-state")  # once complete
 
 

@@ -41,6 +41,7 @@ AUGMENTS = ("auto", "none", "crop-flip")
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 REFERENCE_UPLOADS = ("derived", "explicit")
+REFERENCE_RULES = ("increment", "client-centre")
 FINETUNE_PARTS = ("all", "head")
 # What a held-out client fine-tunes before it is tested (clients/held_out.py).
 HELD_OUT_PARTS = ("auto", "personal", "all", "none")
@@ -82,6 +83,7 @@ class RunConfig:
     method: str = "fedavg"
     fedspc: bool = False
     fedspc_upload: str = "derived"
+    fedspc_reference: str = "increment"
     shared_keys: str = ""
     personal_keys: str = ""
 
@@ -314,6 +316,9 @@ def _check_privacy(config: RunConfig) -> None:
     if config.fedspc_upload != "derived":
         refusals.append("'fedspc-upload' = 'derived' (an uploaded reference change would "
                         "leave the server unclipped and unnoised)")
+    if config.fedspc_reference != "increment":
+        refusals.append("'fedspc-reference' = 'increment' (u_bar is computed from the "
+                        "privatized aggregate; no client's own change is released)")
     if config.dp_noise_multiplier > 0 and math.isinf(config.dp_clipping_norm):
         refusals.append("a finite 'dp-clipping-norm' when 'dp-noise-multiplier' > 0 "
                         "(the noise is sigma times it)")
@@ -366,6 +371,7 @@ def validate(config: RunConfig) -> RunConfig:
     _choice("device", config.device, DEVICES)
     _choice("precision", config.precision, PRECISIONS)
     _choice("fedspc-upload", config.fedspc_upload, REFERENCE_UPLOADS)
+    _choice("fedspc-reference", config.fedspc_reference, REFERENCE_RULES)
     _choice("fedbabu-finetune-parts", config.fedbabu_finetune_parts, FINETUNE_PARTS)
     _choice("held-out-parts", config.held_out_parts, HELD_OUT_PARTS)
     _at_least("held-out-clients", config.held_out_clients, 0)

@@ -58,8 +58,8 @@ ROW_AXES = ("method", "fedspc", "alpha", "seed")
 # Keys only federated training reads: one centralized reference serves every cell
 # that differs only in these.
 FEDERATED_ONLY = frozenset({
-    "method", "fedspc", "fedspc-upload", "num-rounds", "num-clients", "fraction-train",
-    "aggregation", "alpha", "min-samples", "partition-max-tries", "local-epochs",
+    "method", "fedspc", "fedspc-upload", "fedspc-reference", "num-rounds", "num-clients",
+    "fraction-train", "aggregation", "alpha", "min-samples", "partition-max-tries", "local-epochs",
     "learning-rate", "proximal-mu", "fedrep-head-epochs", "fedbabu-finetune-epochs",
     "fedbabu-finetune-parts", "ditto-lambda", "ditto-personal-epochs", "evaluate-every",
     "evaluate-fraction", "min-train-replies", "max-failed-rounds", "round-timeout",
