@@ -546,10 +546,14 @@ def wall_times():
         for number, line in enumerate(readme.read_text().splitlines(), 1):
             link = re.search(r"\[run\]\(([^)]+)\)", line)
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            if not link or not re.fullmatch(r"(\d+:)?\d+:\d\d", cells[-1]):
+            times = [c for c in cells if re.fullmatch(r"(\d+:)?\d+:\d\d", c)]
+            if link and re.fullmatch(r"(\d+:)?\d+:\d\d", cells[-1]):
+                run, quoted_text = (readme.parent / link.group(1)).resolve(), cells[-1]
+            elif times and line.startswith("|") and (readme.parent / cells[0] / "summary.json").is_file():
+                run, quoted_text = readme.parent / cells[0], times[0]  # | run | ... | h:mm:ss |
+            else:
                 continue
-            run = (readme.parent / link.group(1)).resolve()
-            quoted = sum(int(x) * 60 ** i for i, x in enumerate(reversed(cells[-1].split(":"))))
+            quoted = sum(int(x) * 60 ** i for i, x in enumerate(reversed(quoted_text.split(":"))))
             recorded = json.loads((run / "summary.json").read_text())["wall-seconds"]
             checked += 1
             if abs(quoted - recorded) > 1:
@@ -557,7 +561,7 @@ def wall_times():
                 w = int(round(recorded))
                 hms = f"{w // 3600}:{w % 3600 // 60:02d}:{w % 60:02d}" if w >= 3600 else f"{w // 60}:{w % 60:02d}"
                 print(f"{readme.parent.name}/README.md line {number}: {run.parent.name}/{run.name}"
-                      f" quoted {cells[-1]}, recorded {hms}")
+                      f" quoted {quoted_text}, recorded {hms}")
     print(f"{checked} wall times checked, {off} differ by more than 1 s")
 
 
@@ -767,7 +771,9 @@ def predictions():
               f" -> {scored}{' so far' if missing else ''}")
     print("P7: the correction lowers the shared block's update dispersion in rounds 2-10, and"
           " +FedSPC's train loss is higher in at least 90 % of the rounds after the first")
-    for pid in ("P3", "P4", "P5", "P6", "P8"):
+    for pid in ("P3", "P4", "P5", "P6", "P8", "P9", "P10", "P11"):
+        if pid == "P9":
+            print("  P7's rule on the ResNet-34 pairs written after it (not part of P7's score):")
         for p in cell_pairs(CELLS[pid])[0]:
             db, ds_ = wmean(p.base["disp"], 2, 10), wmean(p.spc["disp"], 2, 10)
             h, _, n = p.loss_higher()
