@@ -9,6 +9,8 @@ Delta_k / (E eta) (Algorithm 1, step 3). An attacker sends 50 times its update.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord
@@ -152,3 +154,30 @@ def test_bad_settings_are_refused():
                            dp_clipping_norm=1.0, local_steps=4))
     assert validate(RunConfig(fedspc=True, fedspc_reference="client-centre",
                               aggregation="median")).fedspc_reference == "client-centre"
+
+
+@pytest.mark.parametrize(("aggregation", "fedspc", "warned"), [
+    ("krum", True, True), ("krum", False, False), ("median", True, False)])
+def test_krum_with_fedspc_is_warned_about(aggregation, fedspc, warned):
+    from fedspc_app.core.config import parse_run_config
+    from fedspc_app.core.methods import get_method
+    from fedspc_app.data import run_data
+    from fedspc_app.models.split import parameter_split
+    from fedspc_app.server_app import build_strategy, make_model
+
+    config = parse_run_config({"method": "fedrep", "fedspc": fedspc,
+                               "aggregation": aggregation, "byzantine-clients": 1})
+    split = parameter_split(make_model(config, run_data.KNOWN_SHAPES["digits"]),
+                            get_method("fedrep"))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("flwr")
+    logger.addHandler(handler)
+    try:
+        strategy = build_strategy(config, get_method("fedrep"), split, 5)
+    finally:
+        logger.removeHandler(handler)
+    assert isinstance(strategy, FedSPC) == fedspc
+    said = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert any("'krum' with FedSPC" in m and "31.89 %" in m for m in said) == warned
