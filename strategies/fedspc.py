@@ -148,6 +148,7 @@ class FedSPC(PersonalizedFedAvg):
         self.num_clients = int(state.get("num-clients", 0))
         if not global_reference:
             return
+        global_reference = dict(global_reference)  # the caller's stays as it was
         tracked: dict[int, ArrayDict] = {}
         for name in [n for n in global_reference if n.startswith(CLIENT_REFERENCE)]:
             pid, key = name[len(CLIENT_REFERENCE):].split("/", 1)
