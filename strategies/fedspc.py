@@ -227,27 +227,33 @@ class FedSPC(PersonalizedFedAvg):
         changes: Iterable[ArrayDict] = (self.reference_change_of(m) for m in accepted)
         if self.reference == "client-centre":
             self.global_reference = self.client_centre(accepted, changes)
-        elif self.privacy is not None:
+        else:
+            self.global_reference = global_reference_update(
+                self.global_reference, self.summed_changes(accepted, changes),
+                num_clients=max(self.num_clients, len(accepted)))
+        norm = float(np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2))
+                                 for v in self.global_reference.values())))
+        metrics["global-reference-norm"] = norm
+        return arrays, metrics
+
+    def summed_changes(self, accepted: Sequence[Message],
+                       changes: Iterable[ArrayDict]) -> Iterable[ArrayDict]:
+        """What Algorithm 1's increment of u_bar sums: the accepted replies' changes,
+        or under DP or a robust rule the one term that stands for their sum."""
+        if self.privacy is not None:
             # Differential privacy: from the privatized aggregate alone. Every client
             # took the same public E steps, so sum_k (u_k' - u_k) = -m u_bar -
             # sum_k Delta theta_k / (E eta), with m times the noised mean for the sum.
             delta = shared_update(self.privatized, self.broadcast, self.corrected_keys)
             change = reference_change(delta, self.global_reference, steps=self.privacy.steps,
                                       learning_rate=self.round_learning_rate)
-            changes = [{k: v.astype(np.float64) * len(accepted) for k, v in change.items()}]
-        elif self.rule.robust:
+            return [{k: v.astype(np.float64) * len(accepted) for k, v in change.items()}]
+        if self.rule.robust:
             # The sum over the accepted replies' changes, replaced by their count
             # times the rule's centre of the changes (Krum: of the selected ones).
-            changes = [robust_reference_sum(self.rule, list(changes), self.selected,
-                                            len(accepted))]
-        if self.reference == "increment":
-            self.global_reference = global_reference_update(
-                self.global_reference, changes,
-                num_clients=max(self.num_clients, len(accepted)))
-        norm = float(np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2))
-                                 for v in self.global_reference.values())))
-        metrics["global-reference-norm"] = norm
-        return arrays, metrics
+            return [robust_reference_sum(self.rule, list(changes), self.selected,
+                                         len(accepted))]
+        return changes
 
     def client_centre(self, accepted: Sequence[Message],
                       changes: Iterable[ArrayDict]) -> ArrayDict:
