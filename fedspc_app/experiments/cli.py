@@ -4,7 +4,7 @@ centralized reference and partition figures::
     python -m fedspc_app.experiments run GRID.yaml [--only AXIS=V1,V2] [--dry-run]
         [--output-dir DIR] [--set "k=v ..."] [--retry-failed]
         [--clients N] [--client-cpus X] [--client-gpus X] [--timeout S]
-    python -m fedspc_app.experiments list GRID.yaml        # the same as run --dry-run
+    python -m fedspc_app.experiments list GRID.yaml [--times-from DIR]  # run --dry-run
     python -m fedspc_app.experiments pause GRID_OR_RUN [--after-cell] [--cancel]
     python -m fedspc_app.experiments report GRID_DIR_OR_YAML [...] [--out DIR]
         [--label NAME ...]
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     grid = _grid(args)
     cells = filter_cells(grid, parse_only(args.only))
     if args.command == "list" or args.dry_run:
-        print_plan(grid, cells)
+        print_plan(grid, cells, times_from=[Path(p) for p in args.times_from])
         return 0
     runner = CellRunner(grid.simulation, echo=args.echo,
                         flwr_home=Path(args.flwr_home) if args.flwr_home else None,
@@ -199,6 +199,10 @@ def _add_grid_commands(commands: argparse._SubParsersAction) -> None:
         sub.add_argument("--client-cpus", type=float)
         sub.add_argument("--client-gpus", type=float)
         sub.add_argument("--timeout", type=float, help="seconds one cell may take")
+        sub.add_argument("--times-from", action="append", default=[], metavar="DIR",
+                         help="the plan's time estimate also uses the rounds of the runs "
+                              "in DIR (another grid's results folder, or a run folder; "
+                              "repeatable)")
         if name == "run":
             sub.add_argument("--dry-run", action="store_true", help="print the plan only")
             sub.add_argument("--retry-failed", action="store_true",

@@ -17,6 +17,12 @@ FAILURES_JSON = "failures.json"
 LOGS_DIR = "logs"
 REPORT_DIR = "report"
 
+RESULT_IRRELEVANT = frozenset({
+    "data-dir", "output-dir", "download", "device", "checkpoint", "resume", "round-timeout",
+    "keep-client-state", "client-state-dir", "overwrite", "tensorboard", "wandb",
+    "wandb-project", "wandb-entity", "wandb-mode"})
+"""Run-config keys that may change without invalidating a finished run."""
+
 
 def slug(text: str) -> str:
     """``text`` as a file-name part: runs of other characters than ``A-Za-z0-9._+=-``

@@ -24,11 +24,13 @@ from typing import Any
 
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.files import atomic_write, holder_text, lock_holder
+from fedspc_app.experiments.estimate import Estimate, estimate, machine_label, timed_runs
 from fedspc_app.experiments.grid import Cell, Grid, SimulationSettings
 from fedspc_app.experiments.layout import (
     FAILURES_JSON,
     GRID_JSON,
     LOGS_DIR,
+    RESULT_IRRELEVANT,
     read_failures,
     read_json,
 )
@@ -37,16 +39,13 @@ from fedspc_app.launch.runconfig import run_config_file
 from fedspc_app.launch.superlink import LocalSuperLink, SimulationFailed, run_simulation
 from fedspc_app.runs.checkpoint import CHECKPOINT_JSON, saved_progress
 from fedspc_app.runs.pause import PAUSE_REQUEST, RunPaused, clear_pause, pause_requested
+from fedspc_app.runs.provenance import machine
 from fedspc_app.runs.results import CONFIG_JSON, METRICS_JSON, SUMMARY_JSON, format_duration
 
 Echo = Callable[[str], None]
 CELL_ERRORS = (SimulationFailed, FedSPCError, TimeoutError)
 """What a failing cell raises; anything else (e.g. Ctrl-C) stops the grid."""
 
-# Settings that may change without invalidating a finished run.
-_IRRELEVANT = {"data-dir", "output-dir", "download", "device", "checkpoint", "resume",
-               "round-timeout", "keep-client-state", "client-state-dir", "overwrite",
-               "tensorboard", "wandb", "wandb-project", "wandb-entity", "wandb-mode"}
 
 
 # ------------------------------------------------------------------------ status
@@ -79,7 +78,7 @@ def config_changes(cell: Cell) -> list[str]:
         return []
     old = recorded["run-config"]
     return sorted(key for key, value in cell.run_config.items()
-                  if key not in _IRRELEVANT and key in old and old[key] != value)
+                  if key not in RESULT_IRRELEVANT and key in old and old[key] != value)
 
 
 def _grew(cell: Cell, changed: Sequence[str], summary: Any) -> bool:
@@ -382,8 +381,11 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
     return outcome
 
 
-def print_plan(grid: Grid, cells: Sequence[Cell], echo: Echo = print) -> None:
-    """Each cell with its status and key settings (``--dry-run``)."""
+def print_plan(grid: Grid, cells: Sequence[Cell], echo: Echo = print,
+               times_from: Sequence[Path] = ()) -> None:
+    """Each cell with its status and key settings (``--dry-run``), and for unfinished
+    federated cells the time they will take, from the rounds of this grid's runs and
+    of the runs in ``times_from`` (:mod:`fedspc_app.experiments.estimate`)."""
     failures = read_failures(grid.directory)
     statuses = [cell_status(cell, failures) for cell in cells]
     counts = {s: statuses.count(s) for s in ("done", "failed", "pending")}
@@ -400,6 +402,33 @@ def print_plan(grid: Grid, cells: Sequence[Cell], echo: Echo = print) -> None:
              + (" (a pause is requested)" if (grid.directory / PAUSE_REQUEST).is_file()
                 else ""))
     width = max(len(cell.name) for cell in cells) if cells else 0
+    timed = timed_runs([grid.directory, *times_from])
+    here = machine_label(machine("cuda" if sim.client_gpus > 0 else "cpu"))
+    estimates = []
     for cell, status in zip(cells, statuses):
         note = progress_note(cell) if status != "done" else ""
         echo(f"  {status:<7} {cell.name:<{width}}  {describe(cell)}{note}")
+        if status != "done" and cell.kind == "federated":
+            estimates.append(estimate(cell, cell.run_config.get("num-clients") or sim.clients,
+                                      timed, here))
+            if estimates[-1] is not None:
+                echo(f"{'':10}{estimates[-1].describe()}")
+    _print_total(estimates, here, echo)
+
+
+def _print_total(estimates: Sequence[Estimate | None], here: str | None, echo: Echo) -> None:
+    known = [e for e in estimates if e is not None]
+    if not estimates:
+        return
+    text = (f"Time left: ≈ {format_duration(sum(e.seconds for e in known))} for "
+            f"{len(known)} of {len(estimates)} unfinished cells, one after another"
+            if known else f"Time left: no estimate for the {len(estimates)} unfinished cells")
+    missing = len(estimates) - len(known)
+    if known and missing:
+        text += f"; no estimate for the other {missing}"
+    if missing:
+        text += (" (no round of their settings measured; --times-from adds the runs of "
+                 "another grid)")
+    if any(not e.here for e in known):
+        text += f"; this machine: {here or 'unknown'}"
+    echo(text)
