@@ -169,3 +169,21 @@ def test_list_takes_times_from_another_grids_folder(tmp_path, capsys):
     assert out[-2].strip() == ("≈ 0:03:00 for 6 rounds at 0:00:30 a round (median of 4 "
                                "rounds of 1 run like it, this machine)")
     assert out[-1] == "Time left: ≈ 0:03:00 for 1 of 1 unfinished cells, one after another"
+
+
+def test_a_running_grid_predicts_the_cells_left_by_their_measured_rounds(tmp_path):
+    grid = grid_of(tmp_path)
+    cells = [c for c in grid.cells if not c.run_config["fedspc"]]
+    finished(grid, "fedrep-s0", [30, 30, 30, 30])
+
+    def run_cell(c, log_file):  # finishes a cell with 10 s rounds
+        finished(grid, c.name, [10, 10, 10, 10])
+        return {"final-accuracy": 0.5}
+
+    lines: list[str] = []
+    runner.run_grid(grid, cells, runner=run_cell, echo=lines.append)
+    # Two cells of 4 rounds at 30 s; then one, at the median of 30 30 30 30 10 10 10 10.
+    assert lines[0].endswith("1 done, 2 to run; ≈ 0:04:00 by the rounds measured so far")
+    assert lines[2].startswith("[2/3] fedrep-s1 done in") and lines[2].endswith(
+        "ETA 0:01:20")
+    assert lines[4].endswith("ETA 0:00:00")

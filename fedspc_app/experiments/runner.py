@@ -305,7 +305,9 @@ def run_grid(grid: Grid, cells: Sequence[Cell], *,
     in ``failures.json``; records a cell raising one of :data:`CELL_ERRORS` there
     and goes on. Stops (``outcome.paused``) when a cell ends on a pause request or
     the grid's folder holds one between cells. Progress (cells done, elapsed time,
-    ETA from the mean time of the cells run so far) goes to ``echo``.
+    ETA) goes to ``echo``; the ETA is the rounds left times the measured round times
+    (:func:`time_left`) when every cell left has them, else the mean time of the cells
+    run so far.
     """
     since = time.time()  # older pause requests are stale
     try:
@@ -324,9 +326,12 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
     todo = _todo(grid, cells, failures, outcome, retry_failed, echo)
     total = len(cells)
     done = len(outcome.skipped)
+    measured = _measured_eta(grid, todo)
     echo(f"Grid {grid.name}: {total} cells in {grid.directory}; {done} done, "
          f"{len(todo)} to run" + (f", {len(outcome.failed)} failed before (not retried; "
-                                  "--retry-failed reruns them)" if outcome.failed else ""))
+                                  "--retry-failed reruns them)" if outcome.failed else "")
+         + (f"; ≈ {format_duration(measured)} by the rounds measured so far"
+            if measured is not None else ""))
     started = clock()
     durations: list[float] = []
     for index, cell in enumerate(todo, start=1):
@@ -364,9 +369,12 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
                 else "")
         done += 1
         elapsed = clock() - started
-        # Failed cells often stop early, so successful ones predict the rest better.
+        # Measured rounds predict the rest best; else the cells run so far (failed
+        # cells often stop early, so successful ones predict better).
         mean = (sum(durations) / len(durations)) if durations else elapsed / index
-        eta = format_duration(mean * (len(todo) - index))
+        measured = _measured_eta(grid, todo[index:])
+        eta = format_duration(measured if measured is not None
+                              else mean * (len(todo) - index))
         echo(f"[{done}/{total}] {cell.name} {result} | elapsed {format_duration(elapsed)}"
              f" | ETA {eta}")
     if outcome.failed:
@@ -402,18 +410,35 @@ def print_plan(grid: Grid, cells: Sequence[Cell], echo: Echo = print,
              + (" (a pause is requested)" if (grid.directory / PAUSE_REQUEST).is_file()
                 else ""))
     width = max(len(cell.name) for cell in cells) if cells else 0
-    timed = timed_runs([grid.directory, *times_from])
-    here = machine_label(machine("cuda" if sim.client_gpus > 0 else "cpu"))
-    estimates = []
+    unfinished = [cell for cell, status in zip(cells, statuses)
+                  if status != "done" and cell.kind == "federated"]
+    here, found = time_left(grid, unfinished, times_from)
+    estimates = dict(zip((cell.name for cell in unfinished), found))
     for cell, status in zip(cells, statuses):
         note = progress_note(cell) if status != "done" else ""
         echo(f"  {status:<7} {cell.name:<{width}}  {describe(cell)}{note}")
-        if status != "done" and cell.kind == "federated":
-            estimates.append(estimate(cell, cell.run_config.get("num-clients") or sim.clients,
-                                      timed, here))
-            if estimates[-1] is not None:
-                echo(f"{'':10}{estimates[-1].describe()}")
-    _print_total(estimates, here, echo)
+        if estimates.get(cell.name) is not None:
+            echo(f"{'':10}{estimates[cell.name].describe()}")
+    _print_total(found, here, echo)
+
+
+def time_left(grid: Grid, cells: Sequence[Cell], times_from: Sequence[Path] = ()
+              ) -> tuple[str | None, list[Estimate | None]]:
+    """This machine's label and the time each federated cell of ``cells`` still needs
+    (None for a cell no measured round predicts, and for centralized cells)."""
+    sim = grid.simulation
+    timed = timed_runs([grid.directory, *times_from])
+    here = machine_label(machine("cuda" if sim.client_gpus > 0 else "cpu"))
+    return here, [estimate(cell, cell.run_config.get("num-clients") or sim.clients,
+                           timed, here) if cell.kind == "federated" else None
+                  for cell in cells]
+
+
+def _measured_eta(grid: Grid, cells: Sequence[Cell]) -> float | None:
+    """The time ``cells`` need by the rounds measured so far; None unless every one
+    of them has an estimate."""
+    found = time_left(grid, cells)[1]
+    return sum(e.seconds for e in found) if cells and None not in found else None
 
 
 def _print_total(estimates: Sequence[Estimate | None], here: str | None, echo: Echo) -> None:
