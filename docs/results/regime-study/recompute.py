@@ -31,6 +31,8 @@ by the claim it supports, so the text can be held against it:
   runs that changed build mid-run, every run started more than once;
 * round records left incomplete (a round resumed between training and evaluation);
 * the wall times of the READMEs' tables against summary.json;
+* each row of the top-level README's "When does FedSPC help?" table (per-seed Δ,
+  mean ± SD, the seed-mean curve's rounds ahead / behind);
 * the predictions of PREDICTIONS.md (P1-P11), each scored hit / miss by the rule
   written there, from the runs committed so far (a cell not yet run says so).
 
@@ -361,6 +363,7 @@ def main():
     builds(pairs)
     records()
     wall_times()
+    readme_table()
     predictions()
 
 
@@ -717,6 +720,61 @@ def _complete(path: Path) -> bool:
 
 def _verdict(ok: bool) -> str:
     return "HIT" if ok else "MISS"
+
+
+# The rows of the top-level README's "When does FedSPC help?" table: (model, the
+# method named in the shared-block column, E) -> the pair of each seed 0, 1, 2 as
+# (grid, Base, +FedSPC, grid of the +FedSPC run).
+README_CELLS = {
+    ("small CNN", "FedRep", 1): [("cpu-cifar100-cnn-mismatch", "fedrep", None, None),
+                                 ("cpu-cifar100-cnn-seeds", "fedrep-s1", None, None),
+                                 ("cpu-cifar100-cnn-seeds", "fedrep-s2", None, None)],
+    ("small CNN", "LG-FedAvg", 1): [("cpu-cifar100-cnn-mismatch", "lgfedavg", None, None),
+                                    ("cpu-cifar100-cnn-seeds", "lgfedavg-s1", None, None),
+                                    ("cpu-cifar100-cnn-seeds", "lgfedavg-s2", None, None)],
+    ("small CNN", "LG-FedAvg", 5): [("cpu-cifar100-cnn-e5", "lgfedavg", None, None),
+                                    ("cpu-cifar100-cnn-e5-seeds", "lgfedavg-s1", None, None),
+                                    ("cpu-cifar100-cnn-e5-seeds", "lgfedavg-s2", None, None)],
+    ("ResNet-34", "FedRep", 1): CELLS["P3"],
+    ("ResNet-34", "LG-FedAvg", 1): CELLS["P4"],
+    ("ResNet-18", "FedRep", 1): CELLS["P8"],
+    ("ResNet-34", "FedRep", 5): [("cpu-cifar100-resnet34-e5", f"fedrep-s{s}", None, None)
+                                 for s in (0, 1, 2)],
+}
+
+
+def readme_table():
+    """Each row of the README's "When does FedSPC help?" table against the runs: the
+    per-seed Δ, mean ± SD and the seed-mean curve's rounds ahead / behind."""
+    header("README.md, 'When does FedSPC help?': each row against the runs")
+    text = (RESULTS.parents[1] / "README.md").read_text()
+    start = text.index("### When does FedSPC help?")
+    checked, off = 0, 0
+    for line in text[start:].split("\n\n")[2].splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        method = re.search(r"\((\S+)\)", cells[1]).group(1)
+        key = next((k for k in README_CELLS
+                    if cells[0].startswith(k[0]) and k[1] == method and k[2] == int(cells[2])),
+                   None)
+        if key is None:
+            print(f"no runs known for the row: {line}")
+            off += 1
+            continue
+        pairs, missing = cell_pairs(README_CELLS[key])
+        if missing:
+            print(f"{' / '.join(map(str, key))}: runs missing ({', '.join(missing)})")
+            off += 1
+            continue
+        _, _, finals, sd, (a, b) = seed_group(pairs, pairs[0].method, "cell")
+        mean = f(float(np.mean(finals)))
+        wanted = (f"{mean} ± {sd:.2f} ({', '.join(f(d) for d in finals)})", f"{a} / {b}")
+        quoted = (cells[4].replace("−", "-"), cells[5])
+        checked += 1
+        if quoted != wanted:
+            off += 1
+            print(f"{' / '.join(map(str, key))}: quoted {' | '.join(quoted)}, runs give"
+                  f" {' | '.join(wanted)}")
+    print(f"{checked} rows checked, {off} differ or lack runs")
 
 
 def predictions():
