@@ -169,6 +169,9 @@ def test_list_takes_times_from_another_grids_folder(tmp_path, capsys):
     assert out[-2].strip() == ("≈ 0:03:00 for 6 rounds at 0:00:30 a round (median of 4 "
                                "rounds of 1 run like it, this machine)")
     assert out[-1] == "Time left: ≈ 0:03:00 for 1 of 1 unfinished cells, one after another"
+    # A folder that is not there is a typo, not "no estimate".
+    assert cli.main([*argv, "--times-from", str(tmp_path / "nowhere")]) == 2
+    assert "--times-from: no such folder" in capsys.readouterr().err
 
 
 def test_a_running_grid_predicts_the_cells_left_by_their_measured_rounds(tmp_path):

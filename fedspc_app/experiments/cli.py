@@ -57,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
     grid = _grid(args)
     cells = filter_cells(grid, parse_only(args.only))
     if args.command == "list" or args.dry_run:
+        missing = [p for p in args.times_from if not Path(p).is_dir()]
+        if missing:
+            raise ConfigError(f"--times-from: no such folder: {', '.join(missing)}")
         print_plan(grid, cells, times_from=[Path(p) for p in args.times_from])
         return 0
     runner = CellRunner(grid.simulation, echo=args.echo,
