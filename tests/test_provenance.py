@@ -57,13 +57,22 @@ def test_the_source_hash_follows_the_python_source_and_nothing_else(tmp_path):
     assert source_hash(root) != first
 
 
-def test_the_checkout_gives_its_commit_and_whether_tracked_files_changed(tmp_path):
+def test_the_checkout_gives_its_commit_and_whether_the_apps_files_changed(tmp_path):
     root = make_tree(tmp_path / "repo")
+    (root / "pyproject.toml").write_text("[tool.flwr.app.config]\nseed = 0\n")
+    (root / "docs").mkdir()
+    (root / "docs" / "results.md").write_text("committed results\n")
     assert git_origin(root) is None  # not a checkout yet
     commit = commit_all(root)
     assert git_origin(root) == {"git-commit": commit, "dirty": False}
     (root / "results.json").write_text("{}")  # untracked output: still clean
+    # Committed results or documentation edited in the checkout (as when a grid's
+    # worktree receives its finished runs) are not the app: still clean.
+    (root / "docs" / "results.md").write_text("a newer table\n")
     assert git_origin(root) == {"git-commit": commit, "dirty": False}
+    (root / "pyproject.toml").write_text("[tool.flwr.app.config]\nseed = 1\n")
+    assert git_origin(root) == {"git-commit": commit, "dirty": True}
+    git(root, "checkout", "-q", "pyproject.toml")
     (root / "clients" / "__init__.py").write_text("EDITED = 1\n")
     assert git_origin(root) == {"git-commit": commit, "dirty": True}
     # Packages inside a larger repository are not that repository's checkout.

@@ -4,8 +4,8 @@ A result is only worth as much as one can say what produced it. Every run record
 
 * ``code``: a SHA-256 of the app's Python source (the three packages a FAB carries:
   ``fedspc_app``, ``strategies``, ``clients``), the package version, and, when the run
-  was started from a git checkout, its commit and whether tracked files differed from
-  it (``dirty``). Under ``flwr run`` the ServerApp runs from the installed FAB, which is
+  was started from a git checkout, its commit and whether the app's tracked files
+  differed from it (``dirty``). Under ``flwr run`` the ServerApp runs from the installed FAB, which is
   no checkout: the launchers of this project (grid runner, ``simulate``) describe their
   checkout to it through the environment (:data:`ORIGIN_ENV`);
 * ``software``: Python, flwr, torch, numpy and timm versions;
@@ -54,7 +54,9 @@ def source_hash(root: Path = SOURCE_ROOT) -> str:
 def git_origin(root: Path = SOURCE_ROOT) -> dict[str, Any] | None:
     """``{"git-commit": <sha>, "dirty": bool}`` of the checkout holding ``root``, or
     ``None`` when it is no git checkout (or git is missing). ``dirty``: a tracked file
-    differs from the commit (untracked files, such as results, do not count)."""
+    of the app (:data:`PACKAGES`, or ``pyproject.toml`` with the run-config defaults)
+    differs from the commit; other files, such as committed results or documentation
+    edited in the checkout, and untracked files do not count."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True,
                               text=True, timeout=30, check=True).stdout.strip()
@@ -63,7 +65,8 @@ def git_origin(root: Path = SOURCE_ROOT) -> dict[str, Any] | None:
         if top != root.resolve():  # the packages sit in someone else's repository
             return None
         commit = git("rev-parse", "HEAD")
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--",
+                         *PACKAGES, "pyproject.toml"))
     except (OSError, subprocess.SubprocessError):
         return None
     return {"git-commit": commit, "dirty": dirty}
