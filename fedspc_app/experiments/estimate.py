@@ -93,16 +93,21 @@ def timed_runs(folders: Iterable[Path]) -> list[TimedRun]:
     """The timed runs in each folder (a grid's results folder: one run a subfolder)
     or of each folder that is itself a run."""
     found = []
-    for folder in folders:
-        folder = Path(folder)
-        candidates = [folder] if (folder / CONFIG_JSON).is_file() else sorted(
-            p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+    for folder in map(Path, folders):
+        if (folder / CONFIG_JSON).is_file():
+            candidates = [folder]
+        elif folder.is_dir():
+            candidates = sorted(p for p in folder.iterdir() if p.is_dir())
+        else:
+            continue
         found.extend(run for run in map(timed_run, candidates) if run is not None)
     return found
 
 
 @dataclass(frozen=True)
 class Estimate:
+    """The time a cell still needs, and the rounds it was read from."""
+
     rounds_left: int
     round_seconds: float
     measured_rounds: int

@@ -47,7 +47,6 @@ CELL_ERRORS = (SimulationFailed, FedSPCError, TimeoutError)
 """What a failing cell raises; anything else (e.g. Ctrl-C) stops the grid."""
 
 
-
 # ------------------------------------------------------------------------ status
 def is_done(cell: Cell) -> bool:
     """Finished, and not a run the grid now asks to extend (:func:`extension`)."""
