@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -25,6 +26,16 @@ MODELS = ("cnn", "cnn-bn", "resnet18", "resnet34", "vgg11", "vit")
 # their narrowest layer at width 1.0 (a ResNet's stem and first stage, VGG-11's first
 # convolution).
 WIDTH_MODELS = {"resnet18": 64, "resnet34": 64, "vgg11": 64}
+
+
+CUSTOM_MODEL = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+"""A model of one's own: ``package.module:function`` (:func:`is_custom_model`)."""
+
+
+def is_custom_model(name: str) -> bool:
+    """Whether run-config ``model`` names a builder of the user's own
+    (``package.module:function``) rather than one of :data:`MODELS`."""
+    return ":" in name
 
 
 def width_models_text() -> str:
@@ -198,7 +209,8 @@ class RunConfig:
             return self.run_name
         split = (f"c{self.classes_per_client}" if self.partition == "classes"
                  else f"a{self.alpha:g}")
-        return f"{self.dataset}-{self.model}-{self.label}-{split}-s{self.seed}"
+        model = self.model.replace(":", ".")  # a model of one's own: module.function
+        return f"{self.dataset}-{model}-{self.label}-{split}-s{self.seed}"
 
     @property
     def run_dir(self) -> Path:
@@ -332,7 +344,16 @@ def validate(config: RunConfig) -> RunConfig:
     from fedspc_app.core.methods import METHODS  # the registry imports this module
 
     _choice("dataset", config.dataset, DATASETS)
-    _choice("model", config.model, MODELS)
+    if is_custom_model(config.model):
+        if not CUSTOM_MODEL.fullmatch(config.model):
+            raise ConfigError(
+                f"run-config 'model' = {config.model!r}: a model of your own is named "
+                "'package.module:function' (a function that builds it), e.g. "
+                "'my_models:build_net'")
+    elif config.model not in MODELS:
+        raise ConfigError(
+            f"run-config 'model' = {config.model!r} is not one of: {', '.join(MODELS)}; "
+            "a model of your own is named 'package.module:function'")
     _choice("method", config.method, tuple(METHODS))
     _choice("aggregation", config.aggregation, AGGREGATIONS)
     _choice("server-optimizer", config.server_optimizer, SERVER_OPTIMIZERS)

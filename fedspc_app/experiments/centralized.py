@@ -22,6 +22,7 @@ import numpy as np
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError, FedSPCError
 from fedspc_app.core.files import folder_lock
+from fedspc_app.experiments.layout import slug
 from fedspc_app.launch.runconfig import app_defaults
 from fedspc_app.runs.results import format_duration, start_results, write_metrics, write_summary
 from fedspc_app.runs.runfolder import claim_run_folder
@@ -42,7 +43,7 @@ def epoch_learning_rate(base: float, epoch: int, epochs: int, schedule: str) -> 
 
 
 def default_run_name(config: RunConfig) -> str:
-    return f"centralized-{config.dataset}-{config.model}-s{config.seed}"
+    return slug(f"centralized-{config.dataset}-{config.model}-s{config.seed}")
 
 
 def build_config(run_config: Mapping[str, Any], *, run_name: str | None = None,

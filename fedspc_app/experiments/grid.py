@@ -381,7 +381,7 @@ def _centralized_cells(raw: Any, axes: Sequence[_Axis], cells: Sequence[Cell],
         tokens = [value_token(axis.name, assignment[axis.name], bundle=axis.bundle)
                   for axis in sorted(relevant, key=lambda a: a.name != "seed")]
         name = "-".join(["centralized", *tokens]) if tokens else (
-            f"centralized-{cell.run_config['dataset']}-{cell.run_config['model']}")
+            slug(f"centralized-{cell.run_config['dataset']}-{cell.run_config['model']}"))
         if name in seen:
             continue
         seen.add(name)

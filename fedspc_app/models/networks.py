@@ -39,6 +39,7 @@ The models:
 from __future__ import annotations
 
 import functools
+import importlib
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -46,7 +47,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedspc_app.core.config import MODELS, WIDTH_MODELS, width_models_text
+from fedspc_app.core.config import (
+    CUSTOM_MODEL,
+    MODELS,
+    WIDTH_MODELS,
+    is_custom_model,
+    width_models_text,
+)
 from fedspc_app.core.errors import ConfigError
 
 __all__ = [
@@ -320,15 +327,24 @@ def build_model(
     """A freshly initialised (never pretrained) CPU model in training mode whose
     ``model(x)`` returns logits and whose ``get_classifier()`` is its final layer.
 
-    With ``seed`` the initial weights are a function of it alone (every client of a
-    run starts from the same model) and the global torch RNG is left as it was.
+    ``name`` is one of :data:`MODEL_NAMES`, or ``"package.module:function"`` for a
+    model of the user's own (:func:`custom_builder`). With ``seed`` the initial
+    weights are a function of it alone (every client of a run starts from the same
+    model; a model of one's own too, when it draws its initial weights from torch's
+    default generator, as torch's layers do) and the global torch RNG is left as it
+    was.
     ``vit_embed_dim`` (a multiple of the 12 heads) is used by ``vit`` only; ``width``
     scales the channels of the ResNets and ``vgg11`` and must be 1.0 for the others.
     Raises ConfigError for an unknown name or an impossible option.
     """
-    if name not in _BUILDERS:
+    if is_custom_model(name):
+        builder = custom_builder(name)
+    elif name in _BUILDERS:
+        builder = _BUILDERS[name]
+    else:
         raise ConfigError(
-            f"unknown model {name!r}; valid names are: {', '.join(MODEL_NAMES)}"
+            f"unknown model {name!r}; valid names are: {', '.join(MODEL_NAMES)}, or "
+            "'package.module:function' for a model of your own"
         )
     for option, value in (
         ("num_classes", num_classes),
@@ -343,7 +359,6 @@ def build_model(
         raise ConfigError(f"width {width!r} is not a width of model {name!r} (a positive "
                           f"factor, for {width_models_text()} only)")
 
-    builder = _BUILDERS[name]
     options = dict(vit_embed_dim=vit_embed_dim, width=width)
     if seed is None:
         return builder(num_classes, in_chans, image_size, **options)
@@ -352,6 +367,38 @@ def build_model(
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
         return builder(num_classes, in_chans, image_size, **options)
+
+
+def custom_builder(name: str) -> Callable[..., nn.Module]:
+    """The builder of a model of the user's own, run-config ``model =
+    "package.module:function"``: ``function(num_classes=, in_chans=, image_size=)``
+    must return an ``nn.Module`` whose ``model(x)`` gives logits and whose
+    ``get_classifier()`` is its final layer (:func:`split_body_head`). It is imported
+    here, so the module must be importable wherever the ServerApp and the ClientApps
+    run. Raises ConfigError, naming the module and function, when it is not."""
+    if not CUSTOM_MODEL.fullmatch(name):
+        raise ConfigError(f"model {name!r}: a model of your own is named "
+                          "'package.module:function'")
+    module_name, _, function = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ConfigError(
+            f"model {name!r}: cannot import {module_name!r} ({error}); the module must be "
+            "importable where the ServerApp and every ClientApp run (an installed "
+            "package, or a module inside fedspc_app/, which the FAB carries)") from None
+    make = getattr(module, function, None)
+    if not callable(make):
+        raise ConfigError(f"model {name!r}: {module_name} has no function {function!r}")
+
+    def build(num_classes: int, in_chans: int, image_size: int, **_: Any) -> nn.Module:
+        model = make(num_classes=num_classes, in_chans=in_chans, image_size=image_size)
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model {name!r}: {function}() returned "
+                              f"{type(model).__name__}, not a torch.nn.Module")
+        return model.cpu().train()
+
+    return build
 
 
 def split_body_head(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
