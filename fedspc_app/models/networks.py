@@ -386,7 +386,8 @@ def custom_builder(name: str) -> Callable[..., nn.Module]:
         raise ConfigError(
             f"model {name!r}: cannot import {module_name!r} ({error}); the module must be "
             "importable where the ServerApp and every ClientApp run (an installed "
-            "package, or a module inside fedspc_app/, which the FAB carries)") from None
+            "package, a folder on PYTHONPATH, or a module inside fedspc_app/, which the "
+            "FAB carries)") from None
     make = getattr(module, function, None)
     if not callable(make):
         raise ConfigError(f"model {name!r}: {module_name} has no function {function!r}")
