@@ -136,3 +136,34 @@ def test_the_example_in_extending_md_builds_and_splits(tmp_path, monkeypatch):
     assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 100)
     assert split_body_head(model)[1] == ("head.weight", "head.bias")
     monkeypatch.delitem(sys.modules, "my_models", raising=False)
+
+
+@pytest.mark.slow
+def test_through_flwr_run_the_ray_workers_import_it_from_pythonpath(tmp_path):
+    """The simulation's Ray workers inherit PYTHONPATH: a model module kept outside
+    the project trains there, and a name that cannot be imported stops the run
+    before round 1 with its reason."""
+    import os
+    import subprocess
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "my_models.py").write_text(textwrap.dedent(MODULE))
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    out = tmp_path / "out"
+
+    def simulate(model: str) -> subprocess.CompletedProcess:
+        sets = (f"model='{model}' method='fedrep' fedspc=true num-rounds=2 "
+                f"local-epochs=1 checkpoint=false output-dir='{out}'")
+        return subprocess.run([sys.executable, "-m", "fedspc_app.simulate", "--clients",
+                               "3", "--set", sets], env=env, capture_output=True,
+                              text=True, timeout=600, check=False)
+
+    done = simulate("my_models:build")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    run_dir = out / "digits-my_models.build-fedrep+fedspc-a0.1-s0"
+    rounds = json.loads((run_dir / "metrics.json").read_text())["rounds"]
+    assert len(rounds) == 2 and rounds[-1]["accuracy"] > 0.3
+    failed = simulate("my_models:missing")
+    assert failed.returncode != 0
+    assert "my_models has no function 'missing'" in failed.stdout + failed.stderr
