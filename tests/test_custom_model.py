@@ -57,12 +57,17 @@ NOT_CALLABLE = 3
 """
 
 
+def own_module(name: str, source: str, folder, monkeypatch):
+    """A module of the user's own, importable as ``name`` until the test ends."""
+    (folder / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return name
+
+
 @pytest.fixture
 def my_models(tmp_path, monkeypatch):
-    """A module of the user's own, importable as ``my_models``."""
-    (tmp_path / "my_models.py").write_text(textwrap.dedent(MODULE))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "my_models"
+    yield own_module("my_models", MODULE, tmp_path, monkeypatch)
     sys.modules.pop("my_models", None)
 
 
@@ -80,10 +85,10 @@ def test_it_is_built_from_the_run_seed_and_split_at_its_classifier(my_models):
 
 
 @pytest.mark.parametrize(("model", "message"), [
-    ("my_models:missing", "my_models has no function 'missing'"),
-    ("my_models:NOT_CALLABLE", "my_models has no function 'NOT_CALLABLE'"),
+    ("my_models:missing", "my_models has no 'missing'"),
+    ("my_models:NOT_CALLABLE", "NOT_CALLABLE is not a function"),
     ("no_such_module:build", "cannot import 'no_such_module'"),
-    ("my_models:not_a_model", "not_a_model() returned str, not a torch.nn.Module"),
+    ("my_models:not_a_model", "it returned str, not a torch.nn.Module"),
     ("my_models:no_head", "get_classifier"),
 ])
 def test_a_builder_that_cannot_serve_gives_one_clear_error(my_models, model, message):
@@ -96,7 +101,7 @@ def test_the_run_config_names_it_module_colon_function(my_models):
     assert config.model == "my_models:build"
     assert config.resolved_run_name == "digits-my_models.build-fedavg-a0.1-s0"
     for bad in ("my_models:", ":build", "my models:build", "my_models:build:x"):
-        with pytest.raises(ConfigError, match="package.module:function"):
+        with pytest.raises(ConfigError, match="package.module:attribute"):
             parse_run_config({"model": bad})
     with pytest.raises(ConfigError, match="a model of your own is named"):
         parse_run_config({"model": "resnet50"})
@@ -166,4 +171,74 @@ def test_through_flwr_run_the_ray_workers_import_it_from_pythonpath(tmp_path):
     assert len(rounds) == 2 and rounds[-1]["accuracy"] > 0.3
     failed = simulate("my_models:missing")
     assert failed.returncode != 0
-    assert "my_models has no function 'missing'" in failed.stdout + failed.stderr
+    assert "my_models has no 'missing'" in failed.stdout + failed.stderr
+
+
+METHODS_MODULE = """
+from fedspc_app.core.methods import Method, Phase
+
+FEDPER_WARMUP = Method(
+    "fedper-warmup", shared="body",
+    phases=(Phase("head", "fedrep_head_epochs"), Phase("all", "local_epochs")),
+    summary="FedPer with a head warm-up before each round",
+)
+FEDREP_AGAIN = Method(
+    "fedrep-again", shared="body",
+    phases=(Phase("head", "fedrep_head_epochs"), Phase("body", "local_epochs")),
+)
+BAD_FIELD = Method("bad", shared="body", phases=(Phase("all", "epochs_typo"),))
+NOT_A_METHOD = {"shared": "body"}
+"""
+
+
+@pytest.fixture
+def my_methods(tmp_path, monkeypatch):
+    yield own_module("my_methods", METHODS_MODULE, tmp_path, monkeypatch)
+    sys.modules.pop("my_methods", None)
+
+
+def test_a_method_of_ones_own_is_named_module_colon_name(my_methods):
+    from fedspc_app.core.methods import get_method
+
+    method = get_method("my_methods:FEDPER_WARMUP")
+    assert method.name == "fedper-warmup" and method.shared == "body"
+    config = parse_run_config({"method": "my_methods:FEDPER_WARMUP", "fedspc": True})
+    assert config.resolved_run_name == "digits-cnn-my_methods.FEDPER_WARMUP+fedspc-a0.1-s0"
+    for value, message in (("my_methods:BAD_FIELD", "'epochs_typo' is not a run-config"),
+                           ("my_methods:NOT_A_METHOD", "dict, not a fedspc_app"),
+                           ("my_methods:MISSING", "my_methods has no 'MISSING'"),
+                           ("other_methods:X", "cannot import 'other_methods'"),
+                           ("my_methods:", "package.module:attribute")):
+        with pytest.raises(ConfigError, match=message):
+            parse_run_config({"method": value})
+
+
+def test_a_method_of_ones_own_trains_as_the_registered_one_it_copies(my_methods, tmp_path):
+    """FEDREP_AGAIN describes FedRep: the same rounds, bit for bit, with FedSPC."""
+    def rounds(method: str) -> list[dict]:
+        config = {"method": method, "fedspc": True, "num-rounds": 2, "local-epochs": 1,
+                  "batch-size": 32, "alpha": 1.0, "checkpoint": False, "num-clients": 3,
+                  "output-dir": str(tmp_path), "run-name": method.replace(":", "."),
+                  "deterministic": True}
+        assert run_server(InProcessGrid(client_app.app, 3, config), config) is None
+        return json.loads((tmp_path / config["run-name"] / "metrics.json").read_text())[
+            "rounds"]
+
+    own, registered = rounds("my_methods:FEDREP_AGAIN"), rounds("fedrep")
+    for key in ("accuracy", "train-loss", "global-reference-norm"):
+        assert [r[key] for r in own] == [r[key] for r in registered], key
+
+
+def test_the_method_example_in_extending_md_is_a_method(tmp_path, monkeypatch):
+    from fedspc_app.core.methods import get_method
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
+    example, rest = docs.split("```python\n# my_methods.py\n", 1)[1].split("```", 1)
+    (tmp_path / "my_methods.py").write_text(example)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_methods", raising=False)
+    named = rest.split('```toml\nmethod = "', 1)[1].split('"', 1)[0]  # the next block
+    assert named == "my_methods:FEDPER_WARMUP"
+    assert [p.train for p in get_method(named).phases] == ["head", "all"]
+    assert parse_run_config({"method": named, "fedspc": True}).fedspc
+    monkeypatch.delitem(sys.modules, "my_methods", raising=False)

@@ -12,13 +12,13 @@ import dataclasses
 import difflib
 import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.named import check_name, is_named
 
 DATASETS = ("digits", "cifar10", "cifar100", "tinyimagenet")
 MODELS = ("cnn", "cnn-bn", "resnet18", "resnet34", "vgg11", "vit")
@@ -28,14 +28,8 @@ MODELS = ("cnn", "cnn-bn", "resnet18", "resnet34", "vgg11", "vit")
 WIDTH_MODELS = {"resnet18": 64, "resnet34": 64, "vgg11": 64}
 
 
-CUSTOM_MODEL = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
-"""A model of one's own: ``package.module:function`` (:func:`is_custom_model`)."""
-
-
-def is_custom_model(name: str) -> bool:
-    """Whether run-config ``model`` names a builder of the user's own
-    (``package.module:function``) rather than one of :data:`MODELS`."""
-    return ":" in name
+MODEL_EXAMPLE = "my_models:build_net"
+"""A model of one's own, as the run-config names it (:mod:`fedspc_app.core.named`)."""
 
 
 def width_models_text() -> str:
@@ -209,8 +203,8 @@ class RunConfig:
             return self.run_name
         split = (f"c{self.classes_per_client}" if self.partition == "classes"
                  else f"a{self.alpha:g}")
-        model = self.model.replace(":", ".")  # a model of one's own: module.function
-        return f"{self.dataset}-{model}-{self.label}-{split}-s{self.seed}"
+        name = f"{self.dataset}-{self.model}-{self.label}-{split}-s{self.seed}"
+        return name.replace(":", ".")  # a model or method of one's own: module.name
 
     @property
     def run_dir(self) -> Path:
@@ -341,20 +335,23 @@ def _check_privacy(config: RunConfig) -> None:
 
 def validate(config: RunConfig) -> RunConfig:
     """Check ranges and names; return the config unchanged or raise ConfigError."""
-    from fedspc_app.core.methods import METHODS  # the registry imports this module
+    from fedspc_app.core.methods import get_method  # the registry imports this module
 
     _choice("dataset", config.dataset, DATASETS)
-    if is_custom_model(config.model):
-        if not CUSTOM_MODEL.fullmatch(config.model):
-            raise ConfigError(
-                f"run-config 'model' = {config.model!r}: a model of your own is named "
-                "'package.module:function' (a function that builds it), e.g. "
-                "'my_models:build_net'")
+    if is_named(config.model):
+        check_name("model", config.model, MODEL_EXAMPLE)
     elif config.model not in MODELS:
         raise ConfigError(
             f"run-config 'model' = {config.model!r} is not one of: {', '.join(MODELS)}; "
-            "a model of your own is named 'package.module:function'")
-    _choice("method", config.method, tuple(METHODS))
+            f"a model of your own is named 'package.module:function' ({MODEL_EXAMPLE!r})")
+    method = get_method(config.method)
+    known = {f.name for f in fields(RunConfig)}
+    for phase in method.phases:  # a method of one's own names them in its own code
+        for role, name in (("epochs", phase.epochs), ("proximal", phase.proximal)):
+            if name is not None and name not in known:
+                raise ConfigError(
+                    f"run-config 'method' = {config.method!r}: a phase's {role} field "
+                    f"{name!r} is not a run-config field (e.g. 'local_epochs')")
     _choice("aggregation", config.aggregation, AGGREGATIONS)
     _choice("server-optimizer", config.server_optimizer, SERVER_OPTIMIZERS)
     _choice("attack", config.attack, ATTACKS)
@@ -447,12 +444,12 @@ def validate(config: RunConfig) -> RunConfig:
             f"run-config 'vit-embed-dim' must be divisible by the 12 heads, "
             f"got {config.vit_embed_dim}"
         )
-    if METHODS[config.method].shared == "none" and (
+    if method.shared == "none" and (
             config.fedspc or config.shared_keys.strip() or config.personal_keys.strip()):
         raise ConfigError(
             f"method '{config.method}' shares nothing with the server: fedspc, "
             "shared-keys and personal-keys do not apply to it")
-    if METHODS[config.method].control_variates and config.fedspc:
+    if method.control_variates and config.fedspc:
         raise ConfigError(
             f"method '{config.method}' already corrects every shared parameter; "
             "set fedspc = false (FedSPC on fedavg with everything shared is SCAFFOLD)"

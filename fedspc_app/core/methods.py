@@ -11,13 +11,16 @@ shared block of any method; SCAFFOLD is FedAvg with that correction always on.
 The splits follow the paper's Table 2: FedPer/FedRep/FedBABU share the body
 (feature extractor) and keep the head (classifier); LG-FedAvg shares the head and
 keeps the body; Ditto shares the whole global model and keeps a full personal
-model. To add a method, register a :class:`Method`.
+model. To add a method, register a :class:`Method`, or name one of your own in
+the run-config (``method = "package.module:NAME"``, :func:`get_method`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+from fedspc_app.core.named import import_named, is_named
 
 Block = Literal["all", "body", "head"]
 SharedBlock = Literal["all", "body", "head", "none"]
@@ -98,15 +101,29 @@ def register(method: Method) -> Method:
     return method
 
 
+METHOD_EXAMPLE = "my_methods:FEDPER_WARMUP"
+"""A method of one's own, as the run-config names it (:mod:`fedspc_app.core.named`)."""
+
+
 def get_method(name: str) -> Method:
-    """The registered method called ``name``."""
+    """The registered method called ``name``, or for ``package.module:NAME`` the
+    :class:`Method` that module defines under that name (a method of one's own, with
+    no change to this package; the run-config's validation checks that its phases
+    name fields it has)."""
     from fedspc_app.core.errors import ConfigError
 
+    if is_named(name):
+        method = import_named("method", name, METHOD_EXAMPLE)
+        if not isinstance(method, Method):
+            raise ConfigError(f"run-config 'method' = {name!r}: {type(method).__name__}, "
+                              "not a fedspc_app.core.methods.Method")
+        return method
     try:
         return METHODS[name]
     except KeyError:
         raise ConfigError(
-            f"unknown method {name!r}; registered: {', '.join(METHODS)}"
+            f"run-config 'method' = {name!r} is not one of: {', '.join(METHODS)}; a "
+            f"method of your own is named 'package.module:NAME' ({METHOD_EXAMPLE!r})"
         ) from None
 
 

@@ -39,7 +39,6 @@ The models:
 from __future__ import annotations
 
 import functools
-import importlib
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -47,14 +46,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedspc_app.core.config import (
-    CUSTOM_MODEL,
-    MODELS,
-    WIDTH_MODELS,
-    is_custom_model,
-    width_models_text,
-)
+from fedspc_app.core.config import MODEL_EXAMPLE, MODELS, WIDTH_MODELS, width_models_text
 from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.named import import_named, is_named
 
 __all__ = [
     "MODEL_NAMES",
@@ -337,7 +331,7 @@ def build_model(
     scales the channels of the ResNets and ``vgg11`` and must be 1.0 for the others.
     Raises ConfigError for an unknown name or an impossible option.
     """
-    if is_custom_model(name):
+    if is_named(name):
         builder = custom_builder(name)
     elif name in _BUILDERS:
         builder = _BUILDERS[name]
@@ -371,31 +365,20 @@ def build_model(
 
 def custom_builder(name: str) -> Callable[..., nn.Module]:
     """The builder of a model of the user's own, run-config ``model =
-    "package.module:function"``: ``function(num_classes=, in_chans=, image_size=)``
-    must return an ``nn.Module`` whose ``model(x)`` gives logits and whose
-    ``get_classifier()`` is its final layer (:func:`split_body_head`). It is imported
-    here, so the module must be importable wherever the ServerApp and the ClientApps
-    run. Raises ConfigError, naming the module and function, when it is not."""
-    if not CUSTOM_MODEL.fullmatch(name):
-        raise ConfigError(f"model {name!r}: a model of your own is named "
-                          "'package.module:function'")
-    module_name, _, function = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ConfigError(
-            f"model {name!r}: cannot import {module_name!r} ({error}); the module must be "
-            "importable where the ServerApp and every ClientApp run (an installed "
-            "package, a folder on PYTHONPATH, or a module inside fedspc_app/, which the "
-            "FAB carries)") from None
-    make = getattr(module, function, None)
+    "package.module:function"`` (:mod:`fedspc_app.core.named`):
+    ``function(num_classes=, in_chans=, image_size=)`` must return an ``nn.Module``
+    whose ``model(x)`` gives logits and whose ``get_classifier()`` is its final layer
+    (:func:`split_body_head`). Raises ConfigError, naming the module or the function,
+    when it cannot be imported or is no function."""
+    make = import_named("model", name, MODEL_EXAMPLE)
     if not callable(make):
-        raise ConfigError(f"model {name!r}: {module_name} has no function {function!r}")
+        raise ConfigError(f"run-config 'model' = {name!r}: {name.partition(':')[2]} is "
+                          "not a function")
 
     def build(num_classes: int, in_chans: int, image_size: int, **_: Any) -> nn.Module:
         model = make(num_classes=num_classes, in_chans=in_chans, image_size=image_size)
         if not isinstance(model, nn.Module):
-            raise ConfigError(f"model {name!r}: {function}() returned "
+            raise ConfigError(f"run-config 'model' = {name!r}: it returned "
                               f"{type(model).__name__}, not a torch.nn.Module")
         return model.cpu().train()
 
