@@ -190,3 +190,22 @@ def test_a_running_grid_predicts_the_cells_left_by_their_measured_rounds(tmp_pat
     assert lines[2].startswith("[2/3] fedrep-s1 done in") and lines[2].endswith(
         "ETA 0:01:20")
     assert lines[4].endswith("ETA 0:00:00")
+
+
+def test_the_eta_adds_the_time_a_cell_takes_beyond_its_rounds(tmp_path):
+    grid = grid_of(tmp_path)
+    cells = [c for c in grid.cells if not c.run_config["fedspc"]]
+    finished(grid, "fedrep-s0", [30, 30, 30, 30])
+    now = [0.0]
+
+    def run_cell(c, log_file):  # 100 s on the clock, 40 s of them in its rounds
+        finished(grid, c.name, [10, 10, 10, 10])
+        now[0] += 100.0
+        return {"final-accuracy": 0.5, "wall-seconds": 40.0}
+
+    lines: list[str] = []
+    runner.run_grid(grid, cells, runner=run_cell, echo=lines.append, clock=lambda: now[0])
+    # fedrep-s2 left: 4 rounds at the median 20 s, plus the 60 s fedrep-s1 spent
+    # starting and finishing.
+    assert lines[2] == "[2/3] fedrep-s1 done in 0:01:40, final accuracy 50.00% | " \
+                       "elapsed 0:01:40 | ETA 0:02:20"

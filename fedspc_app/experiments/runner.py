@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -305,8 +306,9 @@ def run_grid(grid: Grid, cells: Sequence[Cell], *,
     and goes on. Stops (``outcome.paused``) when a cell ends on a pause request or
     the grid's folder holds one between cells. Progress (cells done, elapsed time,
     ETA) goes to ``echo``; the ETA is the rounds left times the measured round times
-    (:func:`time_left`) when every cell left has them, else the mean time of the cells
-    run so far.
+    (:func:`time_left`) plus the median time a cell took beyond its rounds (start,
+    data, report) for each cell left, when every cell left has measured rounds; else
+    the mean time of the cells run so far.
     """
     since = time.time()  # older pause requests are stale
     try:
@@ -333,6 +335,7 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
             if measured is not None else ""))
     started = clock()
     durations: list[float] = []
+    overheads: list[float] = []
     for index, cell in enumerate(todo, start=1):
         if pause_requested(grid.directory, since):
             outcome.paused = True
@@ -343,6 +346,7 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
             handle.write(f"\n=== {cell.name} | {_now()} | {describe(cell)}\n")
         echo(f"[{done + 1}/{total}] {cell.name}: {describe(cell)}{progress_note(cell)}")
         cell_started = clock()
+        saved = saved_progress(cell.run_dir)
         try:
             summary = runner(cell, log_file)
         except RunPaused as paused:
@@ -359,6 +363,7 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
         else:
             seconds = clock() - cell_started
             durations.append(seconds)
+            overheads.extend(_start_overhead(seconds, summary, saved))
             if failures.pop(cell.name, None) is not None:
                 _write_failures(grid, failures)
             outcome.ran.append(cell.name)
@@ -372,6 +377,8 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
         # cells often stop early, so successful ones predict better).
         mean = (sum(durations) / len(durations)) if durations else elapsed / index
         measured = _measured_eta(grid, todo[index:])
+        if measured is not None and overheads:  # starting each cell costs time too
+            measured += statistics.median(overheads) * (len(todo) - index)
         eta = format_duration(measured if measured is not None
                               else mean * (len(todo) - index))
         echo(f"[{done}/{total}] {cell.name} {result} | elapsed {format_duration(elapsed)}"
@@ -431,6 +438,17 @@ def time_left(grid: Grid, cells: Sequence[Cell], times_from: Sequence[Path] = ()
     return here, [estimate(cell, cell.run_config.get("num-clients") or sim.clients,
                            timed, here) if cell.kind == "federated" else None
                   for cell in cells]
+
+
+def _start_overhead(seconds: float, summary: Mapping[str, Any],
+                    saved: tuple[int, float] | None) -> list[float]:
+    """The part of a cell's ``seconds`` its rounds did not take (starting the run,
+    loading data, the final report): ``[overhead]``, or ``[]`` when the summary does
+    not say how long the rounds took."""
+    wall = summary.get("wall-seconds")
+    if not isinstance(wall, int | float):
+        return []
+    return [max(seconds - (wall - (saved[1] if saved else 0.0)), 0.0)]
 
 
 def _measured_eta(grid: Grid, cells: Sequence[Cell]) -> float | None:
