@@ -1,7 +1,8 @@
 """Things of the user's own named in the run-config as ``package.module:attribute``:
 a model (``model = "my_models:build_net"``, a function that builds it) or a method
-(``method = "my_methods:WARMUP"``, a :class:`~fedspc_app.core.methods.Method`), so
-that neither needs a change to this package. The module is imported where it is
+(``method = "my_methods:FEDPER_WARMUP"``, a
+:class:`~fedspc_app.core.methods.Method`), so that neither needs a change to this
+package. The module is imported where it is
 needed, so it must be importable wherever the ServerApp and the ClientApps run."""
 
 from __future__ import annotations
