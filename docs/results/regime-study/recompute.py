@@ -754,7 +754,8 @@ def readme_table():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         method = re.search(r"\((\S+)\)", cells[1]).group(1)
         key = next((k for k in README_CELLS
-                    if cells[0].startswith(k[0]) and k[1] == method and k[2] == int(cells[2])),
+                    if cells[0].startswith(k[0]) and k[1] == method
+                    and k[2] == int(cells[2].split()[0])),
                    None)
         if key is None:
             print(f"no runs known for the row: {line}")
