@@ -718,8 +718,9 @@ def _complete(path: Path) -> bool:
     return summary.is_file() and json.loads(summary.read_text()).get("complete") is True
 
 
-def _verdict(ok: bool) -> str:
-    return "HIT" if ok else "MISS"
+def _verdict(ok: bool | None) -> str:
+    """None: the rule needs seeds that are not run yet."""
+    return "waits for three seeds" if ok is None else "HIT" if ok else "MISS"
 
 
 # The rows of the top-level README's "When does FedSPC help?" table: (model, the
@@ -801,7 +802,7 @@ def predictions():
         "P10": ("positive at every seed, +0.5 to +3, seed mean above the E = 1 mean",
                 {"sign": lambda ds: all(d > 0 for d in ds),
                  "size": lambda ds: all(0.5 <= d <= 3 for d in ds),
-                 "mean": lambda ds: len(ds) < 3 or np.mean(ds) > np.mean(
+                 "mean": lambda ds: None if len(ds) < 3 else np.mean(ds) > np.mean(
                      [q.final() for q in cell_pairs(CELLS["P4"])[0]])}),
         "P11": ("no effect: within ±0.5 at round 50 at each seed",
                 {"size": lambda ds: all(abs(d) <= 0.5 for d in ds)}),
@@ -824,7 +825,7 @@ def predictions():
                         "size": all(q.seed in e1 and q.final() <= e1[q.seed] for q in pairs)}
             measured += "; E = 1 at the same seed: " + ", ".join(
                 f"s{q.seed} {f(e1[q.seed]) if q.seed in e1 else 'not run'}" for q in pairs)
-        status = "partial (" + ", ".join(missing) + " still to run); " if missing else ""
+        status = "partial (" + ", ".join(missing) + "); " if missing else ""
         scored = ", ".join(f"{name} {_verdict(ok)}" for name, ok in verdicts.items())
         print(f"{pid}: predicted {text}. {status}measured {measured}; mean {f(float(np.mean(ds)))}{sd}"
               f" -> {scored}{' so far' if missing else ''}")
