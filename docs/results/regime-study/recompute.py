@@ -20,6 +20,8 @@ by the claim it supports, so the text can be held against it:
   recorded, the accuracy before aggregation (the local fit) and the averaging gain;
 * the 50-round and Ditto-global details, SCAFFOLD against FedAvg, and how well a
   run repeats under the same seed;
+* FedRep on the ResNet-34 over 50 rounds: Δ every ten rounds against the depth
+  grid's round 20 at the same seed (P5's "not turning"), then by window as below;
 * the ResNet pairs per seed and window: Δ, the local cost against the averaging's
   extra (their sum is the window's Δ: an accounting, not a cause), the cut in the
   shared block's dispersion, the rounds with the higher train loss;
@@ -358,6 +360,7 @@ def main():
     matched_accuracy()
     e5_rerun()
     depth_seeds()
+    long_pairs()
     e5_lgfedavg(pairs)
     fedrep_cnn()
     builds(pairs)
@@ -597,6 +600,34 @@ def depth_seeds():
                   f" clients {clients[0]} / {clients[1]}")
             for p in pairs:
                 depth_pair(model, p)
+
+
+LONG = "cpu-cifar100-resnet34-long"
+
+
+def long_pairs():
+    """FedRep on the ResNet-34 over 50 rounds (P5, P11): Δ every ten rounds against the
+    same seed's round-20 Δ of the depth grid (P5: "roughly as at round 20, not turning"),
+    then the pair by window as depth_pair() prints it."""
+    header("ResNet-34 FedRep over 50 rounds (P5, P11): Δ every ten rounds, then by window")
+    pairs, missing = cell_pairs([(LONG, f"fedrep-s{s}", None, None) for s in (0, 1, 2)])
+    if not pairs:
+        print(f"no pair complete yet ({', '.join(missing)})")
+        return
+    depth = {q.seed: q for q in cell_pairs(CELLS["P3"])[0]}
+    for p in pairs:
+        d = p.diff()
+        marks = ", ".join(f"r{r} {f(d[r])}" for r in range(10, p.last + 1, 10) if r in d)
+        same = depth.get(p.seed)
+        ref = (f"; the depth grid's round 20 at this seed {f(same.final())}, its round 20"
+               f" here {f(d[20]) if 20 in d else 'missing'} (the same setting, run again)"
+               if same else "")
+        print(f"fedrep s{p.seed}: Base {p.base['acc'][p.last]:.2f} -> +FedSPC"
+              f" {p.spc['acc'][p.last]:.2f} at round {p.last}; Δ {marks}; ahead / behind"
+              f" {'/'.join(map(str, p.ahead_behind()))}{ref}")
+        depth_pair("ResNet-34 50r", p)
+    if missing:
+        print(f"not complete: {', '.join(missing)}")
 
 
 def depth_pair(model: str, p: Pair):
