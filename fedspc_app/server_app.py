@@ -342,7 +342,7 @@ def train(grid: Grid, checked: CheckedRun) -> None:
         )
     except RunPaused as paused:
         clear_pause(recorder.run_dir)
-        recorder.finish(paused=paused.after_round)
+        recorder.finish(paused=paused.after_round, paused_by=paused.reason)
         return
     except FedSPCError as error:
         recorder.finish()

@@ -14,6 +14,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +169,9 @@ class RunConfig:
     divergence_factor: float = 100.0
     round_timeout: float = 3600.0
     node_wait: float = 120.0
+    # A time (ISO 8601 with its UTC offset) by which the run pauses: it starts no round
+    # that would end after it (runs/pause.py); "" = none
+    stop_by: str = ""
 
     # Client-level differential privacy of the shared block (strategies/privacy.py)
     dp_clipping_norm: float = 0.0
@@ -189,6 +193,11 @@ class RunConfig:
         return self.dp_clipping_norm > 0
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def stop_by_time(self) -> datetime | None:
+        """``stop-by`` as an aware datetime, or None when it is not set."""
+        return parse_stop_by(self.stop_by)
+
     @property
     def label(self) -> str:
         """Short method label, e.g. ``fedrep+fedspc``."""
@@ -289,6 +298,24 @@ def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(
             f"run-config '{key}' = {value!r} is not one of: {', '.join(choices)}"
         )
+
+
+def parse_stop_by(value: str) -> datetime | None:
+    """run-config ``stop-by``: an ISO 8601 time with its UTC offset (``Z`` for UTC), so
+    that every process of a run, on any machine, reads the same instant; "" is none."""
+    if not value:
+        return None
+    example = "e.g. '2026-12-05T18:30:00+01:00' or '2026-12-05T17:30Z'"
+    try:
+        when = datetime.fromisoformat(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"run-config 'stop-by' = {value!r} is not an ISO 8601 time "
+                          f"({example})") from None
+    if when.tzinfo is None or when.utcoffset() is None:
+        raise ConfigError(f"run-config 'stop-by' = {value!r} has no UTC offset ({example}); "
+                          "the grid command's --stop-by also takes a local clock time "
+                          "or a duration")
+    return when
 
 
 def _at_least(key: str, value: float, low: float, *, strict: bool = False) -> None:
@@ -422,6 +449,7 @@ def validate(config: RunConfig) -> RunConfig:
     _at_least("divergence-factor", config.divergence_factor, 0.0)
     _at_least("round-timeout", config.round_timeout, 0.0, strict=True)
     _at_least("node-wait", config.node_wait, 0.0)
+    parse_stop_by(config.stop_by)
     if not 0.0 < config.min_train_replies <= 1.0:
         raise ConfigError("run-config 'min-train-replies' must be in (0, 1], "
                           f"got {config.min_train_replies!r}")

@@ -3,7 +3,7 @@ centralized reference and partition figures::
 
     python -m fedspc_app.experiments run GRID.yaml [--only AXIS=V1,V2] [--dry-run]
         [--output-dir DIR] [--set "k=v ..."] [--retry-failed]
-        [--clients N] [--client-cpus X] [--client-gpus X] [--timeout S]
+        [--clients N] [--client-cpus X] [--client-gpus X] [--timeout S] [--stop-by WHEN]
     python -m fedspc_app.experiments list GRID.yaml [--times-from DIR]  # run --dry-run
     python -m fedspc_app.experiments pause GRID_OR_RUN [--after-cell] [--cancel]
     python -m fedspc_app.experiments report GRID_DIR_OR_YAML [...] [--out DIR]
@@ -24,6 +24,7 @@ import dataclasses
 import os
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
 from fedspc_app.core.errors import ConfigError, FedSPCError
@@ -44,8 +45,12 @@ from fedspc_app.launch.runconfig import load_overrides, parse_assignments
 # ------------------------------------------------------------------- commands
 def _grid(args: argparse.Namespace) -> Grid:
     """The grid with ``--set`` applied and the ``--clients``/... overrides checked."""
-    grid = load_grid(args.grid, output_dir=args.output_dir,
-                     overrides=parse_assignments(args.set))
+    overrides = parse_assignments(args.set)
+    if getattr(args, "stop_by", None):
+        if "stop-by" in overrides:
+            raise ConfigError("give the stop time once: --stop-by or --set stop-by=...")
+        overrides["stop-by"] = pausing.resolve_stop_by(args.stop_by, datetime.now(UTC))
+    grid = load_grid(args.grid, output_dir=args.output_dir, overrides=overrides)
     sim = grid.simulation
     chosen = {"clients": args.clients, "client_cpus": args.client_cpus,
               "client_gpus": args.client_gpus, "timeout": args.timeout}
@@ -215,6 +220,10 @@ def _add_grid_commands(commands: argparse._SubParsersAction) -> None:
             sub.add_argument("--echo", action="store_true",
                              help="stream every cell's output, not only progress")
             sub.add_argument("--flwr-home", help="keep the SuperLink's FLWR_HOME here")
+            sub.add_argument("--stop-by", metavar="WHEN",
+                             help="pause the grid by then, at a round boundary, and start no "
+                                  "round or cell that would end later (the same command "
+                                  "continues it): " + pausing.STOP_BY_FORMS)
         sub.set_defaults(handler=run)
     sub = commands.add_parser(
         "pause", help="stop a running grid or run at its next round boundary",

@@ -64,7 +64,7 @@ FEDERATED_ONLY = frozenset({
     "fedbabu-finetune-parts", "ditto-lambda", "ditto-personal-epochs", "evaluate-every",
     "evaluate-fraction", "min-train-replies", "max-failed-rounds", "round-timeout",
     "evaluate-before-aggregation", "evaluate-global-model", "keep-client-state",
-    "evaluate-server", "partition", "classes-per-client", "client-state-dir",
+    "evaluate-server", "partition", "classes-per-client", "client-state-dir", "stop-by",
 })
 
 # Run-name prefixes of numeric axes.

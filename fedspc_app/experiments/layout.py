@@ -20,7 +20,7 @@ REPORT_DIR = "report"
 RESULT_IRRELEVANT = frozenset({
     "data-dir", "output-dir", "download", "device", "checkpoint", "resume", "round-timeout",
     "keep-client-state", "client-state-dir", "overwrite", "tensorboard", "wandb",
-    "wandb-project", "wandb-entity", "wandb-mode"})
+    "wandb-project", "wandb-entity", "wandb-mode", "stop-by"})
 """Run-config keys that may change without invalidating a finished run."""
 
 

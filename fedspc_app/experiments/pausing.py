@@ -8,7 +8,9 @@ grid, ``resume = true`` a single run. See :mod:`fedspc_app.runs.pause`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from fedspc_app.core.errors import ConfigError
@@ -18,6 +20,41 @@ from fedspc_app.experiments.layout import GRID_JSON, read_json
 from fedspc_app.runs.checkpoint import saved_progress
 from fedspc_app.runs.pause import clear_pause, request_pause
 from fedspc_app.runs.results import CONFIG_JSON
+
+STOP_BY_FORMS = ("a local clock time ('18:30': the next one), a duration from now "
+                 "('2h30m', '90m') or an ISO 8601 time ('2026-12-05T18:30', local unless "
+                 "it has a UTC offset)")
+
+
+def resolve_stop_by(text: str, now: datetime) -> str:
+    """The grid command's ``--stop-by`` as run-config ``stop-by``: an ISO 8601 UTC
+    time. ``now``: an aware datetime (a local clock time means the next such time
+    after it, in the machine's time zone)."""
+    text = text.strip()
+    duration = re.fullmatch(r"(?:(\d+)h)?\s*(?:(\d+)m(?:in)?)?", text)
+    clock = re.fullmatch(r"(\d{1,2}):(\d{2})(?::(\d{2}))?", text)
+    if text and duration and any(duration.groups()):
+        hours, minutes = (int(g or 0) for g in duration.groups())
+        when = now + timedelta(hours=hours, minutes=minutes)
+    elif clock:
+        hour, minute, second = (int(g or 0) for g in clock.groups())
+        if hour > 23 or minute > 59 or second > 59:
+            raise ConfigError(f"--stop-by {text!r}: no such clock time")
+        local = now.astimezone()
+        when = local.replace(hour=hour, minute=minute, second=second, microsecond=0)
+        if when <= local:
+            when += timedelta(days=1)
+    else:
+        try:
+            when = datetime.fromisoformat(text)
+        except ValueError:
+            raise ConfigError(f"--stop-by {text!r} is none of {STOP_BY_FORMS}") from None
+        if when.tzinfo is None:
+            when = when.astimezone()  # the machine's local time
+    if when <= now:
+        raise ConfigError(f"--stop-by {text!r} ({when.isoformat(timespec='seconds')}) has "
+                          "already passed")
+    return when.astimezone(UTC).isoformat(timespec="seconds")
 
 
 @dataclass(frozen=True)

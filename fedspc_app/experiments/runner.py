@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from fedspc_app.core.config import parse_stop_by
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.files import atomic_write, holder_text, lock_holder
 from fedspc_app.experiments.estimate import Estimate, estimate, machine_label, timed_runs
@@ -259,6 +260,7 @@ class GridOutcome:
     skipped: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     paused: bool = False
+    pause_reason: str = ""  # "" (a request), or "stop-by <time>"
 
     @property
     def ok(self) -> bool:
@@ -298,13 +300,16 @@ def _todo(grid: Grid, cells: Sequence[Cell], failures: Mapping[str, Any], outcom
 def run_grid(grid: Grid, cells: Sequence[Cell], *,
              runner: Callable[[Cell, Path], Mapping[str, Any]],
              retry_failed: bool = False, echo: Echo = print,
-             clock: Callable[[], float] = time.monotonic) -> GridOutcome:
+             clock: Callable[[], float] = time.monotonic,
+             wall: Callable[[], float] = time.time) -> GridOutcome:
     """Run the pending ``cells`` of ``grid`` with ``runner(cell, log_file) -> summary``.
 
     Writes ``grid.json``; skips finished cells and, unless ``retry_failed``, those
     in ``failures.json``; records a cell raising one of :data:`CELL_ERRORS` there
     and goes on. Stops (``outcome.paused``) when a cell ends on a pause request or
-    the grid's folder holds one between cells. Progress (cells done, elapsed time,
+    the grid's folder holds one between cells, and before a cell whose run-config
+    ``stop-by`` (a ``wall`` time) leaves less than one of its rounds, as measured
+    (:func:`time_left`), or has passed. Progress (cells done, elapsed time,
     ETA) goes to ``echo``; the ETA is the rounds left times the measured round times
     (:func:`time_left`) plus the median time a cell took beyond its rounds (start,
     data, report) for each cell left, when every cell left has measured rounds; else
@@ -313,14 +318,15 @@ def run_grid(grid: Grid, cells: Sequence[Cell], *,
     since = time.time()  # older pause requests are stale
     try:
         return _run_cells(grid, cells, runner=runner, retry_failed=retry_failed,
-                          echo=echo, clock=clock, since=since)
+                          echo=echo, clock=clock, wall=wall, since=since)
     finally:
         clear_pause(grid.directory)
 
 
 def _run_cells(grid: Grid, cells: Sequence[Cell], *,
                runner: Callable[[Cell, Path], Mapping[str, Any]], retry_failed: bool,
-               echo: Echo, clock: Callable[[], float], since: float) -> GridOutcome:
+               echo: Echo, clock: Callable[[], float], wall: Callable[[], float],
+               since: float) -> GridOutcome:
     write_grid_json(grid)
     failures = read_failures(grid.directory)
     outcome = GridOutcome()
@@ -340,6 +346,11 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
         if pause_requested(grid.directory, since):
             outcome.paused = True
             break
+        late = _past_stop_by(grid, cell, wall())
+        if late:
+            outcome.paused, outcome.pause_reason = True, late
+            echo(f"[{done + 1}/{total}] {cell.name} not started: {late}")
+            break
         log_file = log_path(grid, cell)
         log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(log_file, "a", encoding="utf-8") as handle:
@@ -350,9 +361,11 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
         try:
             summary = runner(cell, log_file)
         except RunPaused as paused:
-            outcome.paused = True
+            outcome.paused, outcome.pause_reason = True, paused.reason
+            why = f" ({paused.reason})" if paused.reason else ""
             echo(f"[{done + 1}/{total}] {cell.name} paused after round {paused.after_round}"
-                 f" of {paused.num_rounds} | elapsed {format_duration(clock() - started)}")
+                 f" of {paused.num_rounds}{why} | elapsed "
+                 f"{format_duration(clock() - started)}")
             break
         except CELL_ERRORS as error:
             seconds = clock() - cell_started
@@ -388,7 +401,9 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
         for name, log in outcome.failed.items():
             echo(f"  {name}: {failures.get(name, {}).get('error', '')} (log: {log})")
     if outcome.paused:
-        echo(f"Grid {grid.name} paused on request with {done} of {total} selected cells "
+        how = (f"at its stop-by time ({outcome.pause_reason.removeprefix('stop-by ')})"
+               if outcome.pause_reason else "on request")
+        echo(f"Grid {grid.name} paused {how} with {done} of {total} selected cells "
              "done; the same command continues it.")
     elif not outcome.failed:
         echo(f"Grid {grid.name}: all {total} selected cells done.")
@@ -438,6 +453,22 @@ def time_left(grid: Grid, cells: Sequence[Cell], times_from: Sequence[Path] = ()
     return here, [estimate(cell, cell.run_config.get("num-clients") or sim.clients,
                            timed, here) if cell.kind == "federated" else None
                   for cell in cells]
+
+
+def _past_stop_by(grid: Grid, cell: Cell, now: float) -> str:
+    """Why ``cell`` must not start at ``now`` under its run-config ``stop-by``
+    (passed, or less time left than one of its rounds as measured so far), or ""."""
+    deadline = parse_stop_by(str(cell.run_config.get("stop-by") or ""))
+    if deadline is None:
+        return ""
+    found = time_left(grid, [cell])[1][0] if cell.kind == "federated" else None
+    round_seconds = found.round_seconds if found is not None else 0.0
+    if now + round_seconds <= deadline.timestamp():
+        return ""
+    left = max(deadline.timestamp() - now, 0.0)
+    return (f"stop-by {cell.run_config['stop-by']}" + (
+        f": {format_duration(left)} left, a round takes ≈ {format_duration(round_seconds)}"
+        if left > 0 else " has passed"))
 
 
 def _start_overhead(seconds: float, summary: Mapping[str, Any],

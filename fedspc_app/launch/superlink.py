@@ -194,7 +194,7 @@ def submit_and_check(run_config: Mapping[str, Any], submit: Callable[[dict], int
     summary = json.loads(summary_path.read_text())
     if not summary.get("complete") and isinstance(summary.get("paused-after-round"), int):
         raise RunPaused(summary["paused-after-round"], config.num_rounds,
-                        config.resolved_run_name)
+                        config.resolved_run_name, str(summary.get("paused-by") or ""))
     if not summary.get("complete"):
         raise SimulationFailed(f"run {config.resolved_run_name!r} stopped early: {summary}")
     return summary

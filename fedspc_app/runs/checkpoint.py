@@ -27,7 +27,13 @@ from fedspc_app.core.config import RunConfig
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.files import atomic_open, atomic_write
 from fedspc_app.core.records import ArrayDict, from_record
-from fedspc_app.runs.pause import RunPaused, clear_pause, pause_requested
+from fedspc_app.runs.pause import (
+    STOP_BY,
+    RunPaused,
+    clear_pause,
+    next_round_ends_after,
+    pause_requested,
+)
 from fedspc_app.runs.results import CHECKPOINT_SECONDS, RunRecorder
 from fedspc_app.runs.runfolder import CHECKPOINT_JSON
 
@@ -41,7 +47,7 @@ MAY_CHANGE = frozenset({
     "num-rounds", "resume", "checkpoint", "output-dir", "data-dir", "download", "device",
     "round-timeout", "min-train-replies", "max-failed-rounds", "keep-client-state",
     "client-state-dir", "overwrite", "tensorboard", "evaluate-server", "divergence-factor",
-    "wandb", "wandb-project", "wandb-entity", "wandb-mode",
+    "wandb", "wandb-project", "wandb-entity", "wandb-mode", "stop-by",
 })
 
 
@@ -191,6 +197,8 @@ class RoundRecords:
         self.failed_streak = resumed.failed_streak if resumed else 0
         self.shared = resumed.shared if resumed else {}
         self.started = time.time()  # pause requests from before this are stale
+        self.round_ends = [self.started]  # for stop-by: this segment's round times
+        self.warned_stop_by = False
 
     def checkpoint(self, server_round: int, phase: str, *, new_arrays: bool,
                    train_metrics: MetricRecord | None = None,
@@ -230,13 +238,30 @@ class RoundRecords:
                      evaluate_metrics: MetricRecord | None, report: Any) -> None:
         self.recorder.on_round_end(server_round, train_metrics, evaluate_metrics, report)
         self.checkpoint(server_round, COMPLETE, new_arrays=False)
-        if (server_round < self.config.num_rounds
-                and pause_requested(self.recorder.run_dir, self.started)):
-            if self.config.checkpoint:
-                raise RunPaused(server_round, self.config.num_rounds,
-                                self.config.resolved_run_name)
-            clear_pause(self.recorder.run_dir)
+        self.round_ends.append(time.time())
+        if server_round >= self.config.num_rounds:
+            return
+        reason = None
+        if pause_requested(self.recorder.run_dir, self.started):
+            reason = ""
+        deadline = self.config.stop_by_time
+        if (reason is None and deadline is not None
+                and next_round_ends_after(deadline.timestamp(), time.time(), self.round_ends)):
+            reason = f"{STOP_BY} {self.config.stop_by}"
+            log(INFO, "stop-by %s: round %d would end after it; pausing after round %d",
+                self.config.stop_by, server_round + 1, server_round)
+        if reason is None:
+            return
+        if self.config.checkpoint:
+            raise RunPaused(server_round, self.config.num_rounds,
+                            self.config.resolved_run_name, reason)
+        clear_pause(self.recorder.run_dir)
+        if not reason:
             log(WARNING, "A pause was asked, but this run keeps no checkpoint "
+                "(checkpoint = false) to continue from: it goes on")
+        elif not self.warned_stop_by:
+            self.warned_stop_by = True
+            log(WARNING, "stop-by has passed, but this run keeps no checkpoint "
                 "(checkpoint = false) to continue from: it goes on")
 
 

@@ -9,6 +9,12 @@ grid's runner looks for its own request between cells. Requests are written by
 
 A request older than the process that reads it (left by a run that was killed
 before it saw it) is stale: it is removed, not honoured.
+
+A run can also pause by itself at a time given in advance (run-config ``stop-by``, a
+machine's or a job's working time): after each round it pauses when the next round
+would end after that time, reckoning a round as long as the longest of its last
+:data:`ROUNDS_MEASURED` rounds (:func:`next_round_ends_after`). The first round of a
+run, or of a resumed segment, counts its start-up too, so the reckoning errs early.
 """
 
 from __future__ import annotations
@@ -17,24 +23,40 @@ import json
 import os
 import socket
 from datetime import UTC, datetime
+from itertools import pairwise
 from pathlib import Path
 
 from fedspc_app.core.files import atomic_write
 
 PAUSE_REQUEST = "pause-request.json"
+ROUNDS_MEASURED = 3
+"""The rounds whose longest predicts the next one, for ``stop-by``."""
+STOP_BY = "stop-by"
 
 
 class RunPaused(Exception):  # a pause is an outcome, not an error
     """A run stopped at a round boundary on request; its checkpoint continues it."""
 
     def __init__(self, after_round: int, num_rounds: int | None = None,
-                 run_name: str = "") -> None:
+                 run_name: str = "", reason: str = "") -> None:
         self.after_round = after_round
         self.num_rounds = num_rounds
         self.run_name = run_name
+        self.reason = reason  # "" (a request), or "stop-by <time>"
         of = f" of {num_rounds}" if num_rounds else ""
         name = f"run {run_name!r} " if run_name else "the run "
-        super().__init__(f"{name}paused after round {after_round}{of}")
+        why = f" ({reason})" if reason else ""
+        super().__init__(f"{name}paused after round {after_round}{of}{why}")
+
+
+def next_round_ends_after(deadline: float, now: float, round_ends: list[float]) -> bool:
+    """Whether a round started ``now`` would end after ``deadline`` (all three
+    ``time.time()`` values). ``round_ends``: when the run (or its segment) started, then
+    the end of each of its rounds since; the next round is reckoned as long as the
+    longest of the last :data:`ROUNDS_MEASURED`."""
+    recent = round_ends[-(ROUNDS_MEASURED + 1):]
+    longest = max((b - a for a, b in pairwise(recent)), default=0.0)
+    return now + longest > deadline
 
 
 def request_pause(folder: str | os.PathLike[str]) -> Path:

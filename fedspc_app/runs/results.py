@@ -392,12 +392,13 @@ class RunRecorder:
                    else "")
                 + f" | {row['round-seconds']:.1f} s | ETA {eta}")
 
-    def finish(self, *, can_extend: bool | None = None,
-               paused: int | None = None) -> dict[str, Any]:
+    def finish(self, *, can_extend: bool | None = None, paused: int | None = None,
+               paused_by: str = "") -> dict[str, Any]:
         """Write the summary (final and best round) and print it. ``can_extend``
         (a complete run): whether its checkpoint and clients' state are kept, so
         that resuming it with a larger num-rounds continues it. ``paused``: the
-        round after which the run stopped on request (``paused-after-round``)."""
+        round after which the run stopped on request (``paused-after-round``), and
+        ``paused_by`` why, when not on a request (``paused-by``: ``stop-by <time>``)."""
         evaluated = [r for r in self.rounds if r.get("accuracy") is not None]
         summary: dict[str, Any] = {
             "complete": len(self.rounds) >= self.num_rounds,
@@ -409,6 +410,8 @@ class RunRecorder:
             summary["can-extend"] = can_extend
         if paused is not None:
             summary["paused-after-round"] = paused
+            if paused_by:
+                summary["paused-by"] = paused_by
         if self.stopped_by and len(self.rounds) >= self.num_rounds:
             summary["stopped-by"] = self.stopped_by
         epsilons = [r["dp-epsilon"] for r in self.rounds if r.get("dp-epsilon") is not None]
@@ -439,7 +442,8 @@ class RunRecorder:
         if paused is not None:
             self.echo(
                 f"[{self.config.label}] paused after round {paused} of "
-                f"{self.config.num_rounds} ({format_duration(summary['wall-seconds'])} run "
+                f"{self.config.num_rounds}{f' ({paused_by})' if paused_by else ''} ("
+                f"{format_duration(summary['wall-seconds'])} run "
                 f"so far); resume = true continues it; results in {self.run_dir}")
         elif evaluated:
             self.echo(
