@@ -110,3 +110,20 @@ def test_a_killed_simulation_resumes_to_the_uninterrupted_metrics(tmp_path):
     assert simulate(tmp_path, "paused", "--resume").wait(timeout=900) == 0
     assert accuracies(metrics(run_dir)) == accuracies(whole)
     assert losses(metrics(run_dir)) == losses(whole)
+
+
+def test_a_simulation_pauses_at_its_stop_by_and_resumes(tmp_path):
+    # A stop time already past: the run does its one round, pauses, says why, exits 3.
+    passed = "2001-01-01T00:00:00+00:00"
+    command = [sys.executable, "-m", "fedspc_app.simulate", "--clients", "3", "--set",
+               f"{SETTINGS} output-dir='{tmp_path}' run-name='late' stop-by='{passed}'"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900,
+                          check=False)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert f"paused after round 1 of 6 (stop-by {passed})" in done.stderr
+    run_dir = tmp_path / "late"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["paused-after-round"] == 1 and summary["paused-by"] == f"stop-by {passed}"
+    assert simulate(tmp_path, "late", "--resume").wait(timeout=900) == 0
+    assert rounds_done(run_dir) == 6
+    assert json.loads((run_dir / "summary.json").read_text())["complete"] is True
