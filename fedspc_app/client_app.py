@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 import time
 from dataclasses import dataclass, replace
 from logging import INFO, WARNING
@@ -26,7 +27,7 @@ from clients.state import (
 from fedspc_app import IMPORT_STARTED_AT
 from fedspc_app.core import startup
 from fedspc_app.core.config import RunConfig, parse_run_config
-from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.errors import ConfigError, FedSPCError
 from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.protocol import (
     ACCEPTED_ROUNDS,
@@ -158,8 +159,12 @@ class ClientSetup:
     def from_message(cls, message: Message, context: Context) -> ClientSetup:
         config = node_run_config(context, message)
         round_rate = message_config(message).get(ROUND_LEARNING_RATE)
-        if isinstance(round_rate, float) and round_rate > 0:  # lr-schedule: this round's
-            config = config.replace(learning_rate=round_rate)
+        if round_rate is not None:  # lr-schedule: this round's η, the one FedSPC divides by
+            if (isinstance(round_rate, bool) or not isinstance(round_rate, (int, float))
+                    or not math.isfinite(round_rate) or round_rate <= 0):
+                raise FedSPCError(f"the round's '{ROUND_LEARNING_RATE}' must be a positive "
+                                  f"finite number, got {round_rate!r}")
+            config = config.replace(learning_rate=float(round_rate))
         apply_determinism(config.deterministic)
         method = get_method(config.method)
         partition_id, num_partitions = node_partition(message, context)

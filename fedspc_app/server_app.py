@@ -190,6 +190,7 @@ def check_run(grid: Grid, context: Context) -> CheckedRun:
     if note:
         log(INFO, "%s", note)
     method = get_method(config.method)
+    round_learning_rates(config)  # every round's η > 0, before anything runs
     check_tensorboard(config)  # its package, before anything runs
     check_wandb(config)
     deployment = is_deployment(grid)

@@ -2,29 +2,43 @@
 cosine | step``.
 
 The server computes each round's η with PyTorch's own schedulers, stepped once per
-round (``ExponentialLR`` with ``gamma = lr-decay``; ``CosineAnnealingLR`` over the run's
-rounds down to ``lr-min``; ``StepLR`` with ``step_size = lr-step-rounds`` and
+round (``ExponentialLR`` with ``gamma = lr-decay``; ``CosineAnnealingLR`` with ``T_max`` = the run's rounds, from η
+towards ``lr-min``, which it would reach one round after the last, so the last round
+still trains; ``StepLR`` with ``step_size = lr-step-rounds`` and
 ``gamma = lr-decay``), and sends it with the round's training messages, so every
 client of a round trains with the same η and FedSPC, SCAFFOLD, FedProx and Ditto use
 that η wherever Algorithm 1 or the method does. A resumed run continues the schedule:
 η is a function of the round and the run-config.
+
+Every round trains: a schedule whose η is not a positive finite number in some round
+(an exponential decay that underflows, say) is refused with the round named, and a
+client refuses a round's η that is not one, rather than train at another η than the
+server divides by.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
 from fedspc_app.core.config import RunConfig
+from fedspc_app.core.errors import ConfigError
 
 SCHEDULES = ("constant", "exponential", "cosine", "step")
 
 
 def round_learning_rates(config: RunConfig) -> tuple[float, ...]:
-    """η of rounds 1 … num-rounds (index round − 1)."""
-    return _rates(config.lr_schedule, config.learning_rate, config.num_rounds,
+    """η of rounds 1 … num-rounds (index round − 1), each positive and finite."""
+    rates = _rates(config.lr_schedule, config.learning_rate, config.num_rounds,
                   config.lr_decay, config.lr_min, config.lr_step_rounds)
+    for server_round, rate in enumerate(rates, start=1):
+        if not (math.isfinite(rate) and rate > 0):
+            raise ConfigError(f"lr-schedule '{config.lr_schedule}' gives round {server_round} "
+                              f"a learning rate of {rate!r}; every round that trains needs "
+                              "one > 0 (raise lr-decay, lr-min or learning-rate)")
+    return rates
 
 
 @functools.lru_cache(maxsize=64)
@@ -38,7 +52,7 @@ def _rates(schedule: str, base: float, rounds: int, decay: float, minimum: float
         scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=decay)
     elif schedule == "cosine":
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
-            optimizer, T_max=max(rounds - 1, 1), eta_min=minimum)
+            optimizer, T_max=max(rounds, 1), eta_min=minimum)
     elif schedule == "step":
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=step_rounds,
                                                     gamma=decay)
