@@ -35,7 +35,11 @@ by the claim it supports, so the text can be held against it:
 * the wall times of the READMEs' tables against summary.json;
 * each row of the top-level README's "When does FedSPC help?" table (per-seed Δ,
   mean ± SD, the seed-mean curve's rounds ahead / behind);
-* the predictions of PREDICTIONS.md (P1-P11), each scored hit / miss by the rule
+* LG-FedAvg and FedRep at E = 5 over 30 rounds (P12, P13): Δ every five rounds, the
+  rounds ahead / behind, the mean over rounds 21-30 with its seed spread, and the
+  first ten rounds against the committed 10-round runs of the same seed (another
+  machine);
+* the predictions of PREDICTIONS.md (P1-P13), each scored hit / miss by the rule
   written there, from the runs committed so far (a cell not yet run says so).
 
 A pair is a Base run folder and its +FedSPC twin: ``fedrep`` / ``fedrep+fedspc``,
@@ -142,8 +146,9 @@ def wmean(series: dict, lo: int, hi: int):
 
 
 def windows(last: int):
-    return [(2, 10), (11, 20)] if last == 20 else (
-        [(2, 10), (11, 20), (21, 30), (31, 40), (41, 50)] if last == 50 else [(2, 9), (10, 15)])
+    if last in (20, 30, 50):
+        return [(2, 10), *((lo, lo + 9) for lo in range(11, last, 10))]
+    return [(2, 9), (10, 15)]
 
 
 def rounds_where(d: dict, sign: int) -> str:
@@ -361,6 +366,7 @@ def main():
     e5_rerun()
     depth_seeds()
     long_pairs()
+    e5_thirty()
     e5_lgfedavg(pairs)
     fedrep_cnn()
     builds(pairs)
@@ -726,7 +732,46 @@ CELLS = {
     "P9": [("cpu-cifar100-resnet34-e5", f"fedrep-s{s}", None, None) for s in (1, 2)],
     "P10": [("cpu-cifar100-resnet34-e5", f"lgfedavg-s{s}", None, None) for s in (0, 1, 2)],
     "P11": [("cpu-cifar100-resnet34-long", f"fedrep-s{s}", None, None) for s in (1, 2)],
+    "P12": [("cpu-cifar100-resnet34-e5-30", f"lgfedavg-s{s}", None, None) for s in (0, 1, 2)],
+    "P13": [("cpu-cifar100-resnet34-e5-30", "fedrep-s0", None, None)],
 }
+
+
+def late_window(p) -> float:
+    """P12, P13: the mean Δ over rounds 21-30."""
+    return wmean(p.diff(), 21, 30)
+
+
+def e5_thirty():
+    """E = 5 over 30 rounds (P12, P13): Δ every five rounds, the rounds ahead / behind,
+    windows, where the gap settles (rounds 21-30, with the seeds' spread); and each run's
+    first ten rounds against the committed 10-round run of the same cell and seed."""
+    header("ResNet-34 at E = 5 over 30 rounds (P12, P13): Δ every five rounds, the"
+           " rounds 21-30 mean, the first ten rounds against the 10-round runs")
+    for pid in ("P12", "P13"):
+        pairs, missing = cell_pairs(CELLS[pid])
+        for p in pairs:
+            d = p.diff()
+            marks = ", ".join(f"r{r} {f(d[r])}" for r in (5, 10, 15, 20, 25, 30) if r in d)
+            print(f"{p.method} s{p.seed}: Base {p.base['acc'][p.last]:.2f} -> +FedSPC"
+                  f" {p.spc['acc'][p.last]:.2f} at round {p.last}; Δ {marks}; ahead / behind"
+                  f" {'/'.join(map(str, p.ahead_behind()))}; rounds 21-30 {f(late_window(p))}")
+            depth_pair("ResNet-34 E5 30r", p)
+            ten = RESULTS / "cpu-cifar100-resnet34-e5"
+            for name, run in ((f"{p.method}-s{p.seed}", p.base),
+                              (twin(f"{p.method}-s{p.seed}"), p.spc)):
+                if _complete(ten / name):
+                    old = load("cpu-cifar100-resnet34-e5", name)["acc"]
+                    gaps = [abs(run["acc"][r] - old[r]) for r in range(1, 11)]
+                    print(f"    {name} rounds 1-10 against the 10-round run: round 10"
+                          f" {run['acc'][10]:.2f} vs {old[10]:.2f}, largest difference"
+                          f" {max(gaps):.2f} (round {1 + int(np.argmax(gaps))})")
+        if len(pairs) > 1:
+            late = [late_window(p) for p in pairs]
+            print(f"  {pid} rounds 21-30 by seed: {', '.join(f(v) for v in late)};"
+                  f" mean {f(float(np.mean(late)))}, SD {np.std(late, ddof=1):.2f}")
+        if missing:
+            print(f"  {pid} not complete: {', '.join(missing)}")
 
 
 def cell_pairs(specs):
@@ -837,6 +882,9 @@ def predictions():
                      [q.final() for q in cell_pairs(CELLS["P4"])[0]])}),
         "P11": ("no effect: within ±0.5 at round 50 at each seed",
                 {"size": lambda ds: all(abs(d) <= 0.5 for d in ds)}),
+        "P12": (("the mean Δ over rounds 21-30 in (0, +1.5] at each seed, below the same"
+                 " run's round-10 Δ"), {}),
+        "P13": ("the mean Δ over rounds 21-30 in [-1, 0)", {}),
     }
     for pid, specs in CELLS.items():
         pairs, missing = cell_pairs(specs)
@@ -856,13 +904,21 @@ def predictions():
                         "size": all(q.seed in e1 and q.final() <= e1[q.seed] for q in pairs)}
             measured += "; E = 1 at the same seed: " + ", ".join(
                 f"s{q.seed} {f(e1[q.seed]) if q.seed in e1 else 'not run'}" for q in pairs)
+        if pid in ("P12", "P13"):
+            late = [late_window(q) for q in pairs]
+            verdicts = ({"sign": all(v > 0 for v in late), "size": all(v <= 1.5 for v in late),
+                         "narrows": all(late_window(q) < q.diff()[10] for q in pairs)}
+                        if pid == "P12" else
+                        {"sign": all(v < 0 for v in late), "size": all(v >= -1 for v in late)})
+            measured += "; rounds 21-30: " + ", ".join(
+                f"s{q.seed} {f(late_window(q))} (round 10 {f(q.diff()[10])})" for q in pairs)
         status = "partial (" + ", ".join(missing) + "); " if missing else ""
         scored = ", ".join(f"{name} {_verdict(ok)}" for name, ok in verdicts.items())
         print(f"{pid}: predicted {text}. {status}measured {measured}; mean {f(float(np.mean(ds)))}{sd}"
               f" -> {scored}{' so far' if missing else ''}")
     print("P7: the correction lowers the shared block's update dispersion in rounds 2-10, and"
           " +FedSPC's train loss is higher in at least 90 % of the rounds after the first")
-    for pid in ("P3", "P4", "P5", "P6", "P8", "P9", "P10", "P11"):
+    for pid in ("P3", "P4", "P5", "P6", "P8", "P9", "P10", "P11", "P12", "P13"):
         if pid == "P9":
             print("  P7's rule on the ResNet-34 pairs written after it (not part of P7's score):")
         for p in cell_pairs(CELLS[pid])[0]:
