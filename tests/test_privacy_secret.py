@@ -26,7 +26,7 @@ from fedspc_app.core.records import from_record
 from fedspc_app.models.split import ParameterSplit
 from fedspc_app.runs import privacy
 from fedspc_app.server_app import build_strategy, private_steps
-from strategies import PersonalizedFedAvg, Privacy
+from strategies import FedSPC, PersonalizedFedAvg, Privacy
 from strategies.personalized import DP_SECRET
 from strategies.sampling import PartitionSampler
 
@@ -207,10 +207,9 @@ def test_under_privacy_the_draw_is_poisson_at_the_accounted_rate_and_not_the_see
 
 # ------------------------------------------------------------ the released sum
 def private_server(fraction: float, clients: int, sigma: float, clip: float = 1.0):
-    server = PersonalizedFedAvg(shared_keys=[W], num_partitions=clients, drift_keys=[W],
-                                fraction_train=fraction,
-                                privacy=Privacy(clip, sigma, steps=4, clip_on_server=True))
-    return server
+    return PersonalizedFedAvg(shared_keys=[W], num_partitions=clients, drift_keys=[W],
+                              fraction_train=fraction,
+                              privacy=Privacy(clip, sigma, steps=4, clip_on_server=True))
 
 
 @pytest.mark.usefixtures("task_identity")
@@ -231,6 +230,27 @@ def test_the_release_is_the_sum_over_qk_whoever_replies():
     # One more client moves the release by its clipped update over q K: at most C / 4.
     moved = np.linalg.norm(release(3) - release(2))
     assert moved == pytest.approx(1.0 / 4, rel=1e-5)
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_u_bar_under_privacy_is_post_processing_of_the_release_with_qk_for_m():
+    """ū' = (1 − q) ū − q Δ̃/(E η): with q = 1 and three of four clients replying, ū
+    drops out (Algorithm 1 with m replies would keep (1 − m/K) ū = ū/4 of it)."""
+    eta, steps = 0.5, 2
+    server = FedSPC(corrected_keys=[W], learning_rate=eta, shared_keys=[W],
+                    num_partitions=4, drift_keys=[W],
+                    privacy=Privacy(10.0, 0.0, steps=steps))
+    server.global_reference = {W: f32(1.0, -1.0)}
+    server.configure_train(1, record({W: f32(0.0, 0.0)}), ConfigRecord(),
+                           FakeGrid([1, 2, 3, 4]))
+    updates = [f32(0.4, 0.0), f32(0.0, 0.8), f32(0.4, 0.4)]
+    arrays, _ = server.aggregate_train(1, [
+        reply({W: u}, node=n, **{"num-examples": 5, "shared-steps": steps})
+        for n, u in enumerate(updates, 1)])
+    released = arrays_of(arrays)[W].astype(np.float64)
+    np.testing.assert_allclose(released, [0.8 / 4, 1.2 / 4], rtol=1e-6)
+    np.testing.assert_allclose(server.global_reference[W], -released / (steps * eta),
+                               rtol=1e-6)
 
 
 @pytest.mark.usefixtures("task_identity")
