@@ -34,6 +34,7 @@ from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError, FedSPCError
 from fedspc_app.core.files import folder_lock
 from fedspc_app.core.methods import Method, get_method
+from fedspc_app.core.privacy import noise_std
 from fedspc_app.core.protocol import ACCEPTED_ROUNDS, DEPLOYMENT, NUM_CLIENTS, RUN_NAME
 from fedspc_app.core.records import to_record
 from fedspc_app.data.datasets import ImageDataset
@@ -109,8 +110,9 @@ def build_strategy(config: RunConfig, method: Method, split: ParameterSplit,
         server_optimizer=optimizer,
         expected_counts=expected,
         privacy=(Privacy(config.dp_clipping_norm, config.dp_noise_multiplier,
-                         config.local_steps, clip_on_server=config.dp_clipping == "server",
-                         seed=config.seed) if config.dp else None),
+                         private_steps(method, config, split, train_sizes),
+                         clip_on_server=config.dp_clipping == "server")
+                 if config.dp else None),
         learning_rates=(round_learning_rates(config) if config.lr_schedule != "constant"
                         else None),
         held_out_clients=config.held_out_clients,
@@ -126,6 +128,20 @@ def build_strategy(config: RunConfig, method: Method, split: ParameterSplit,
                       upload=config.fedspc_upload, reference=config.fedspc_reference,
                       **common)
     return PersonalizedFedAvg(**common)
+
+
+def private_steps(method: Method, config: RunConfig, split: ParameterSplit,
+                  sizes: Sequence[int] | None) -> int:
+    """E under differential privacy: the shared steps every client takes a round
+    (``expected_shared_steps``), which FedSPC's u_bar, computed from the privatized
+    aggregate alone, needs to be the same for all."""
+    steps = {expected_shared_steps(method, config, split, int(size))
+             for size in (sizes if sizes else [1])}
+    if len(steps) != 1:
+        raise ConfigError("differential privacy needs every client to take the same "
+                          f"number of shared steps a round, and these take {sorted(steps)} "
+                          "(set 'local-steps')")
+    return steps.pop()
 
 
 def train_sizes(partition: Any) -> list[int]:
@@ -273,12 +289,8 @@ def train(grid: Grid, checked: CheckedRun) -> None:
             "fine-tuned-keys": list(fine_tuned_keys(method, config, split)),
         }} if config.held_out_clients else {}),
         "precision": precision,
-        **({"privacy": {
-            "clipping-norm": config.dp_clipping_norm, "clipping": config.dp_clipping,
-            "noise-multiplier": config.dp_noise_multiplier, "delta": config.dp_delta,
-            "local-steps": config.local_steps, "rounds": num_rounds,
-            "accountant": "dp_accounting RDP, Gaussian, Poisson-sampled at fraction-train",
-            "shared-keys-released": list(split.corrected)}} if config.dp else {}),
+        **({"privacy": privacy_entry(config, strategy, num_rounds, split)}
+           if config.dp else {}),
         # Which code, software and machine made it (each start of the run: segments).
         **made_by,
         # The server's own settings; each client applies the same key for itself.
@@ -372,13 +384,14 @@ def privacy_budget(config: RunConfig, recorder: RunRecorder) -> int:
 
     def account(rounds: int) -> float:
         return privacy.epsilon(config.dp_noise_multiplier, config.fraction_train, rounds,
-                               config.dp_delta)
+                               config.dp_delta, config.dp_accountant)
 
     recorder.dp_epsilon = account
     if not config.dp_target_epsilon:
         return config.num_rounds
     allowed = privacy.rounds_within(config.dp_target_epsilon, config.dp_noise_multiplier,
-                                    config.fraction_train, config.dp_delta, config.num_rounds)
+                                    config.fraction_train, config.dp_delta, config.num_rounds,
+                                    config.dp_accountant)
     if allowed == 0:
         raise ConfigError(f"dp-target-epsilon = {config.dp_target_epsilon:g} allows no round "
                           f"(one round already reaches ε {account(1):.3g})")
@@ -391,6 +404,33 @@ def privacy_budget(config: RunConfig, recorder: RunRecorder) -> int:
             config.dp_target_epsilon, config.dp_delta, allowed, config.num_rounds, allowed,
             account(allowed))
     return allowed
+
+
+def privacy_entry(config: RunConfig, strategy: PersonalizedFedAvg, num_rounds: int,
+                  split: ParameterSplit) -> dict[str, Any]:
+    """config.json's ``privacy``: what ε means and what the server did (the secret
+    the noise and the draws come from is never written here)."""
+    rate = min(config.fraction_train, 1.0)
+    return {
+        "guarantee": "client-level (ε, δ)-differential privacy of the released shared "
+                     "blocks and u_bar",
+        "adjacency": privacy.ADJACENCY,
+        "accountant": f"dp_accounting {config.dp_accountant.upper()}, "
+                      + ("Gaussian" if rate >= 1.0 else
+                         f"Gaussian Poisson-sampled at q = {rate:g}") + " per round",
+        "sampling": ("every training client every round (no amplification)" if rate >= 1.0
+                     else f"Poisson: each training client with probability {rate:g}, "
+                          "drawn from a secret of the server"),
+        "noise": "from a secret of the server drawn from OS entropy (kept in its "
+                 "checkpoint only), not from the run-config's seed",
+        "estimator": "(sum of the clipped updates + N(0, (σC)²)) / (q·K)",
+        "expected-clients": strategy.expected_clients,
+        "noise-std": noise_std(config.dp_noise_multiplier, config.dp_clipping_norm,
+                               strategy.expected_clients),
+        "clipping-norm": config.dp_clipping_norm, "clipping": config.dp_clipping,
+        "noise-multiplier": config.dp_noise_multiplier, "delta": config.dp_delta,
+        "local-steps": config.local_steps, "shared-steps": strategy.privacy.steps,
+        "rounds": num_rounds, "shared-keys-released": list(split.corrected)}
 
 
 def client_state_folder(config: RunConfig) -> Path:

@@ -32,8 +32,10 @@ robust rule u_bar stays inside the honest clients' range whatever the rounds. Of
 default (``reference="increment"``, Algorithm 1 with the rule on the changes).
 
 Under differential privacy (``privacy``) u_bar is computed from the privatized
-aggregate only: every client takes the same public number of steps E, so the sum of
-the changes is ``-m u_bar - m mean~/(E eta)`` with ``mean~`` the noised mean update,
+aggregate only: every client takes the same public number of steps E, and the
+server releases ``Delta~ = (sum_k Delta theta_k + noise) / (qK)``, so the sum of the
+changes ``-m u_bar - sum_k Delta theta_k / (E eta)`` is estimated as
+``-qK u_bar - qK Delta~/(E eta)``, with the expected count qK (public) for m:
 post-processing of what is released (the clients' u_k follow Algorithm 1).
 
 SCAFFOLD is this strategy with every parameter shared.
@@ -243,11 +245,13 @@ class FedSPC(PersonalizedFedAvg):
         if self.privacy is not None:
             # Differential privacy: from the privatized aggregate alone. Every client
             # took the same public E steps, so sum_k (u_k' - u_k) = -m u_bar -
-            # sum_k Delta theta_k / (E eta), with m times the noised mean for the sum.
+            # sum_k Delta theta_k / (E eta); the release is the noised sum over qK,
+            # and qK (public) stands for m (private: who was drawn and replied).
             delta = shared_update(self.privatized, self.broadcast, self.corrected_keys)
             change = reference_change(delta, self.global_reference, steps=self.privacy.steps,
                                       learning_rate=self.round_learning_rate)
-            return [{k: v.astype(np.float64) * len(accepted) for k, v in change.items()}]
+            return [{k: v.astype(np.float64) * self.expected_clients
+                     for k, v in change.items()}]
         if self.rule.robust:
             # The sum over the accepted replies' changes, replaced by their count
             # times the rule's centre of the changes (Krum: of the selected ones).

@@ -33,7 +33,15 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
 from fedspc_app.core.errors import FedSPCError
-from fedspc_app.core.privacy import add_noise, clip_update, noise_std, update_norm
+from fedspc_app.core.privacy import (
+    NOISE,
+    add_noise,
+    clip_update,
+    new_secret,
+    noise_std,
+    secret_generator,
+    update_norm,
+)
 from fedspc_app.core.protocol import (
     ACCEPTED_ROUNDS,
     ARRAYS,
@@ -64,6 +72,7 @@ from strategies.sampling import PartitionSampler
 from strategies.server_optimizer import ServerOptimizer
 
 EVALUATION_KEYS = (NUM_EXAMPLES, CORRECT, LOSS_SUM, PARTITION_ID)
+DP_SECRET = "dp-secret"  # the checkpoint's key of the privacy secret
 
 
 @dataclass(frozen=True)
@@ -76,22 +85,22 @@ class Privacy:
     clipping_norm : float
         C, the L2 bound of each client's update of the shared trainable parameters.
     noise_multiplier : float
-        σ: the unweighted mean of the m accepted updates gets Gaussian noise of
-        standard deviation σ·C/m on every coordinate.
+        σ: the sum of the accepted clipped updates gets Gaussian noise of standard
+        deviation σ·C on every coordinate, and is divided by the expected number of
+        clients q·K (q = ``fraction_train``, K the training clients): σ·C/(q·K) on the
+        estimate. Under add/remove of one client the sum moves by at most C.
     steps : int
-        The shared steps every client takes (``local-steps``), public, so that FedSPC's
-        u_bar is computed from the privatized aggregate alone.
+        E, the shared steps every client takes (``expected_shared_steps``: the same
+        for every client, public), so that FedSPC's u_bar is computed from the
+        privatized aggregate alone.
     clip_on_server : bool (default: False)
         Clip on the server (a trusted server) instead of trusting the clients' clipping.
-    seed : int (default: 0)
-        Seeds the noise with the round: a resumed run draws the same noise.
     """
 
     clipping_norm: float
     noise_multiplier: float
     steps: int
     clip_on_server: bool = False
-    seed: int = 0
 
 
 def optional_accuracy(metrics: Sequence[MetricRecord], correct: str, examples: str,
@@ -207,9 +216,12 @@ class PersonalizedFedAvg(FedAvg):
         report (what its data size and the config imply); a reply that reports
         others is dropped. ``None``: not checked.
     privacy : Privacy | None (default: None)
-        Client-level differential privacy: the mean of the (clipped) updates gets
-        Gaussian noise, and nothing computed from single clients' updates is
-        reported (the drift diagnostics are the privatized aggregate's norm only).
+        Client-level differential privacy: the sum of the (clipped) updates gets
+        Gaussian noise and is divided by q·K, and nothing computed from single
+        clients' updates is reported (the drift diagnostics are the privatized
+        aggregate's norm only). The noise and the training draws (Poisson, at
+        ``fraction_train``) come from :attr:`secret`, drawn from the operating
+        system's entropy and kept in the checkpoint only.
     learning_rates : Sequence[float] | None (default: None)
         The clients' η of rounds 1, 2, … (``lr-schedule``), sent with each round's
         training messages; ``None``: the run-config's constant η, not sent.
@@ -272,11 +284,24 @@ class PersonalizedFedAvg(FedAvg):
         self.sampler = PartitionSampler(self.num_partitions, seed=seed, node_wait=node_wait,
                                         wait_for=min_available_nodes,
                                         held_out=held_out_clients)
+        self.secret: int | None = None  # differential privacy's, never sent or logged
+        if privacy is not None:
+            self.use_secret(new_secret())
 
     @property
     def num_training(self) -> int:
         """The clients that train: partitions ``0 … num_training-1``."""
         return self.num_partitions - self.held_out_clients
+
+    @property
+    def expected_clients(self) -> float:
+        """q·K, the expected number of clients a training round draws (public)."""
+        return min(self.fraction_train, 1.0) * self.num_training
+
+    def use_secret(self, secret: int) -> None:
+        """Draw the noise and the training clients from ``secret`` (privacy only)."""
+        self.secret = secret
+        self.sampler.secret = secret
 
     # ------------------------------------------------------------------ state
     def decisions(self) -> dict[str, list[int] | int]:
@@ -285,8 +310,12 @@ class PersonalizedFedAvg(FedAvg):
                 DURABLE_THROUGH: self.durable_through, RUN_TOKEN: self.run_token}
 
     def state_dict(self) -> dict[str, list[int] | str]:
-        """What a checkpoint needs to continue this strategy exactly."""
-        return {ACCEPTED_ROUNDS: list(self.accepted_rounds), RUN_TOKEN: self.run_token}
+        """What a checkpoint needs to continue this strategy exactly (under privacy
+        the secret: the checkpoint must be kept like a key)."""
+        state = {ACCEPTED_ROUNDS: list(self.accepted_rounds), RUN_TOKEN: self.run_token}
+        if self.secret is not None:
+            state[DP_SECRET] = format(self.secret, "x")
+        return state
 
     def state_arrays(self) -> ArrayDict:
         """Arrays a checkpoint needs besides the shared block (none here)."""
@@ -317,6 +346,12 @@ class PersonalizedFedAvg(FedAvg):
         self.accepted_rounds = accepted
         self.durable_through = completed_round
         self.run_token = str(state.get(RUN_TOKEN, ""))
+        if self.privacy is not None:
+            if DP_SECRET in state:
+                self.use_secret(int(state[DP_SECRET], 16))
+            else:
+                log(WARNING, "the checkpoint holds no privacy secret (written before the "
+                    "noise was secret): the rounds from here on draw from a new one")
 
     def summary(self) -> None:
         log(INFO, "\t├──> Shared keys: %d (aggregation: %s, server optimizer: %s)",
@@ -473,6 +508,12 @@ class PersonalizedFedAvg(FedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Average the shared block over the accepted replies (None: the round failed)."""
+        replies = list(replies)
+        if self.privacy is not None and self.sampled == 0 and not replies:
+            # The Poisson draw was empty: release the noise alone, as the account
+            # assumes (a round that released nothing would tell that nobody was drawn).
+            self.report = RoundReport(server_round, 0)
+            return self.aggregate_accepted(server_round, [])
         accepted = self.accept_replies(server_round, replies)
         if not accepted:
             return None, None
@@ -491,7 +532,8 @@ class PersonalizedFedAvg(FedAvg):
         else:
             weights = [1.0] * len(updates)
         keys = self.drift_keys if self.drift_keys is not None else tuple(
-            k for k in self.shared_keys if np.issubdtype(updates[0][k].dtype, np.floating))
+            k for k in self.shared_keys
+            if np.issubdtype((updates[0] if updates else self.broadcast)[k].dtype, np.floating))
         if self.privacy is not None:
             self.selected = list(range(len(updates)))
             arrays = self.private_mean(server_round, updates, keys)
@@ -521,7 +563,8 @@ class PersonalizedFedAvg(FedAvg):
             NUM_EXAMPLES: int(sum(int(m[NUM_EXAMPLES]) for m in metrics)),
             EXAMPLES_SEEN: int(sum(int(m.get(EXAMPLES_SEEN, 0)) for m in metrics)),
             # Rounds each client has completed, as its persisted state says.
-            "min-rounds-trained": int(min(int(m.get(ROUNDS_TRAINED, 0)) for m in metrics)),
+            "min-rounds-trained": int(min((int(m.get(ROUNDS_TRAINED, 0)) for m in metrics),
+                                          default=0)),
             "train-client-ids": [int(m[PARTITION_ID]) for m in metrics],
             **summed_timings(metrics),
             **drift,
@@ -534,16 +577,36 @@ class PersonalizedFedAvg(FedAvg):
 
     def private_mean(self, server_round: int, updates: Sequence[ArrayDict],
                      keys: Sequence[str]) -> ArrayDict:
-        """The unweighted mean of the (clipped) updates with Gaussian noise σ·C/m on
-        every coordinate of ``keys`` (:class:`Privacy`); kept in :attr:`privatized`."""
+        """The broadcast plus the sum of the m (clipped) updates of ``keys`` with
+        Gaussian noise σ·C, divided by q·K (:class:`Privacy`); kept in
+        :attr:`privatized`. A reply that did not come adds nothing to the sum, so one
+        client still moves it by at most C; with every client drawn and replying it
+        is their mean."""
         privacy = self.privacy
         if privacy.clip_on_server:
             updates = [clip_update(u, self.broadcast, keys, privacy.clipping_norm)
                        for u in updates]
-        mean = mean_arrays(updates, [1.0] * len(updates))
-        std = noise_std(privacy.noise_multiplier, privacy.clipping_norm, len(updates))
-        self.privatized = add_noise(mean, keys, std, (privacy.seed, server_round))
+        expected = self.expected_clients
+        std = noise_std(privacy.noise_multiplier, privacy.clipping_norm, expected)
+        rng = secret_generator(self.secret, server_round, NOISE)
+        self.privatized = add_noise(self.sum_estimate(updates, keys, expected), keys, std,
+                                    rng)
         return self.privatized
+
+    def sum_estimate(self, updates: Sequence[ArrayDict], keys: Sequence[str],
+                     expected: float) -> ArrayDict:
+        """broadcast + Σ_k (update_k − broadcast) / ``expected`` over ``keys`` (the
+        mean, bit for bit, when ``expected`` is the number of updates; other shared
+        entries: their mean)."""
+        if updates and len(updates) == expected:
+            return mean_arrays(updates, [1.0] * len(updates))
+        out = mean_arrays(updates, [1.0] * len(updates)) if updates else dict(self.broadcast)
+        for key in keys:
+            start = np.asarray(self.broadcast[key], dtype=np.float64)
+            total = sum((np.asarray(u[key], dtype=np.float64) - start for u in updates),
+                        np.zeros_like(start))
+            out[key] = (start + total / expected).astype(self.broadcast[key].dtype)
+        return out
 
     # ---------------------------------------------------------------- evaluation
     def check_evaluation(self, message: Message) -> str | None:

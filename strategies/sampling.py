@@ -12,6 +12,13 @@ With partial participation the sampler first learns each node's partition id: fr
 the replies it sees, and for a node it has not heard from, with one small query
 (``NODE_QUERY``; nothing is loaded on the node).
 
+Under differential privacy (:attr:`PartitionSampler.secret` set) the training draw
+is Poisson sampling instead: each training partition independently with probability
+``fraction``, from a generator of the server's secret and the round
+(:mod:`fedspc_app.core.privacy`), so that the run-config and the clients drawn in
+past rounds say nothing of who a round draws, and the privacy account's sampling rate
+is the sampler's. Evaluation draws stay seeded.
+
 With held-out clients (``held-out-clients`` = N, the last N partition ids) the draws
 are over the first K - N partitions only, exactly as in a run of K - N clients; the
 held-out ones are messaged only for their evaluation (:meth:`PartitionSampler.held_out_nodes`).
@@ -24,10 +31,12 @@ import time
 from collections.abc import Sequence
 from logging import INFO, WARNING
 
+import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
+from fedspc_app.core.privacy import SAMPLE, secret_generator
 from fedspc_app.core.protocol import CONFIG, METRICS, NODE_QUERY, PARTITION_ID, QUERY
 
 QUERY_TIMEOUT = 120.0  # seconds for the nodes' partition ids (a node answers from memory)
@@ -62,6 +71,8 @@ class PartitionSampler:
         self.node_wait = node_wait
         self.wait_for = wait_for or num_partitions
         self.partition_of: dict[int, int] = {}  # node id -> partition id, newest last
+        # Differential privacy: the server's secret; training draws are Poisson from it.
+        self.secret: int | None = None
 
     def learn(self, node_id: int, partition_id: int) -> None:
         """Record that ``node_id`` holds ``partition_id`` (a later node for it wins)."""
@@ -71,6 +82,11 @@ class PartitionSampler:
     def draw(self, server_round: int, fraction: float, phase: str) -> list[int]:
         """The partition ids drawn for ``phase`` of ``server_round``, sorted (among the
         partitions that train)."""
+        if self.secret is not None and phase == MessageType.TRAIN:
+            if fraction >= 1.0:
+                return list(range(self.training))
+            coins = secret_generator(self.secret, server_round, SAMPLE).random(self.training)
+            return [int(p) for p in np.flatnonzero(coins < fraction)]
         size = min(self.training, max(1, int(self.training * fraction)))
         if size == self.training:
             return list(range(self.training))

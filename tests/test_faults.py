@@ -273,8 +273,8 @@ def losses(rounds: list[dict]) -> list[float]:
     (8, "fedrep", {"aggregation": "median", "fedspc-reference": "client-centre"}),
     # A decaying learning rate: the resumed run continues the schedule.
     (10, "fedrep", {"lr-schedule": "exponential", "lr-decay": 0.5}),
-    # Differential privacy: the seeded noise and the privacy account continue.
-    (10, "fedrep", {"local-steps": 3, "dp-clipping-norm": 0.5, "dp-noise-multiplier": 0.1}),
+    # Differential privacy draws from a secret in the checkpoint:
+    # tests/test_privacy_secret.py resumes such a run.
 ])
 def test_a_crashed_run_resumes_to_the_same_metrics(tmp, crash_at, method, extra):
     # method local: nothing shared, every parameter in the client state on disk.

@@ -14,6 +14,7 @@ from inprocess import InProcessGrid, run_server
 from test_strategies import FakeGrid, arrays_of, f32, record, reply
 
 from fedspc_app import client_app
+from fedspc_app.core import privacy as mechanism
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.privacy import add_noise, clip_update, noise_std, update_norm
@@ -38,15 +39,22 @@ def test_clipping_by_hand_and_an_update_within_the_norm_is_left_alone():
         assert clip_update(final, start, [W], norm)[W].tobytes() == final[W].tobytes()
 
 
+def noise_of(secret, server_round):
+    return mechanism.secret_generator(secret, server_round, mechanism.NOISE)
+
+
 def test_the_noise_has_the_calibrated_standard_deviation():
-    std = noise_std(2.0, 0.5, 4)  # sigma C / m
+    std = noise_std(2.0, 0.5, 4)  # sigma C / (q K)
     assert std == pytest.approx(0.25)
     zeros = {W: np.zeros(200_000, dtype=np.float32)}
-    noised = add_noise(zeros, [W], std, (0, 1))[W]
+    secret = mechanism.new_secret()
+    noised = add_noise(zeros, [W], std, noise_of(secret, 1))[W]
     assert noised.std() == pytest.approx(0.25, rel=0.01) and abs(noised.mean()) < 0.005
-    again = add_noise(zeros, [W], std, (0, 1))[W]
-    assert again.tobytes() == noised.tobytes()  # seeded: a resumed run draws the same
-    assert add_noise(zeros, [W], 0.0, (0, 1))[W] is zeros[W]
+    again = add_noise(zeros, [W], std, noise_of(secret, 1))[W]
+    assert again.tobytes() == noised.tobytes()  # the same secret: a resumed run's
+    other = add_noise(zeros, [W], std, noise_of(secret, 2))[W]
+    assert abs(np.corrcoef(other, noised)[0, 1]) < 0.01  # another round: fresh noise
+    assert add_noise(zeros, [W], 0.0, noise_of(secret, 1))[W] is zeros[W]
 
 
 @pytest.mark.usefixtures("task_identity")

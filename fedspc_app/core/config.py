@@ -41,6 +41,7 @@ AGGREGATIONS = ("mean", "weighted", "median", "trimmed-mean", "krum", "multi-kru
 SERVER_OPTIMIZERS = ("mean", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
 ATTACKS = ("none", "scale", "sign-flip", "noise", "small-steps")
 DP_CLIPPING = ("client", "server")
+DP_ACCOUNTANTS = ("rdp", "pld")  # dp_accounting's, under add/remove of one client
 LR_SCHEDULES = ("constant", "exponential", "cosine", "step")
 WANDB_MODES = ("offline", "online", "disabled")
 AUGMENTS = ("auto", "none", "crop-flip")
@@ -179,6 +180,7 @@ class RunConfig:
     dp_clipping: str = "client"
     dp_delta: float = 1e-5
     dp_target_epsilon: float = 0.0
+    dp_accountant: str = "rdp"
 
     # Fault injection for tests and experiments: lying clients (clients/attack.py)
     attack: str = "none"
@@ -383,6 +385,7 @@ def validate(config: RunConfig) -> RunConfig:
     _choice("server-optimizer", config.server_optimizer, SERVER_OPTIMIZERS)
     _choice("attack", config.attack, ATTACKS)
     _choice("dp-clipping", config.dp_clipping, DP_CLIPPING)
+    _choice("dp-accountant", config.dp_accountant, DP_ACCOUNTANTS)
     _choice("lr-schedule", config.lr_schedule, LR_SCHEDULES)
     _choice("wandb-mode", config.wandb_mode, WANDB_MODES)
     if not 0.0 < config.lr_decay <= 1.0:
