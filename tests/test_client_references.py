@@ -244,3 +244,18 @@ def test_shipped_grids_keep_the_u_bar_rule_of_their_committed_runs():
             checked += 1
             robust += cell.run_config["aggregation"] not in ("mean", "weighted")
     assert checked >= 20 and robust >= 10
+
+
+def test_a_checkpoint_from_before_the_key_resumes_with_the_increment(tmp_path):
+    # Written before fedspc-reference existed: Algorithm 1's increment, the only rule.
+    for aggregation, resumes in (("mean", "auto"), ("median", "increment")):
+        config = RunConfig(fedspc=True, aggregation=aggregation)
+        old = {k: v for k, v in fingerprint(config, 4).items() if k != "fedspc-reference"}
+        write_checkpoint(tmp_path, Checkpoint(round=1, phase="complete", shared={"w": f32(0)},
+                                              global_reference={"w": f32(1)}, strategy={}),
+                         old, new_arrays=True)
+        identity = fingerprint(config.replace(fedspc_reference=resumes), 4)
+        assert read_checkpoint(tmp_path, identity).round == 1
+        if aggregation == "median":  # auto is the client centre there: another run
+            with pytest.raises(ConfigError, match="fedspc-reference: checkpoint 'increment'"):
+                read_checkpoint(tmp_path, fingerprint(config, 4))

@@ -23,7 +23,7 @@ import numpy as np
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.supercore import log
 
-from fedspc_app.core.config import RunConfig
+from fedspc_app.core.config import RunConfig, resolved_settings
 from fedspc_app.core.deferred import Deferred
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.files import atomic_open, atomic_write
@@ -51,6 +51,9 @@ MAY_CHANGE = frozenset({
     "wandb", "wandb-project", "wandb-entity", "wandb-mode", "stop-by",
 })
 
+# Run-config keys whose default changed: what a checkpoint that does not name them
+# ran with (before "auto", u_bar was always Algorithm 1's increment).
+FORMER_DEFAULTS = {"fedspc-reference": "increment"}
 
 
 def fingerprint(config: RunConfig, num_clients: int) -> dict[str, Any]:
@@ -137,8 +140,9 @@ def read_checkpoint(run_dir: Path, identity: dict[str, Any]) -> Checkpoint | Non
         arrays = _read_arrays(Path(run_dir) / payload["arrays"])
     except (OSError, ValueError, KeyError) as error:
         raise ConfigError(f"cannot resume from {path}: {error}") from error
-    # A key added to the run-config after the checkpoint was written had its default.
-    saved = {**RunConfig().to_dict(), **payload["run"]}
+    # A key added to the run-config after the checkpoint was written had its default,
+    # or the value that default had then (FORMER_DEFAULTS); "auto" is compared resolved.
+    saved = resolved_settings({**RunConfig().to_dict(), **FORMER_DEFAULTS, **payload["run"]})
     differing = sorted(key for key in set(identity) | set(payload["run"])
                        if saved.get(key) != identity.get(key))
     if differing:
