@@ -122,11 +122,20 @@ def build_strategy(config: RunConfig, method: Method, split: ParameterSplit,
             log(WARNING, "aggregation 'krum' with FedSPC: u_bar follows one client's "
                 "reference a round (FedRep + FedSPC on CIFAR-100, one seed, no attacker: "
                 "15.30 % with fedspc-reference 'increment', 31.89 % with "
-                "'client-centre', 37.88 % under the mean; docs/robustness.md); "
-                "'multi-krum', 'median' or 'trimmed-mean' keep more than one client")
+                "'client-centre', which 'auto' picks, 37.88 % under the mean; "
+                "docs/robustness.md); 'multi-krum', 'median' or 'trimmed-mean' keep "
+                "more than one client")
+        if config.aggregation in ("krum", "multi-krum") and config.reference_rule == "increment":
+            log(WARNING, "aggregation %r with fedspc-reference 'increment': u_bar moves by "
+                "the reference changes of the clients Krum selected on their shared "
+                "updates; a change also carries the client's reported step count, which "
+                "Krum did not score ('auto' or 'client-centre' scores the u_k themselves)",
+                config.aggregation)
+        log(INFO, "FedSPC: u_bar by %s (fedspc-reference = %r, aggregation = %r)",
+            config.reference_rule, config.fedspc_reference, config.aggregation)
         return FedSPC(corrected_keys=split.corrected, learning_rate=config.learning_rate,
-                      upload=config.fedspc_upload, reference=config.fedspc_reference,
-                      **common)
+                      upload=config.fedspc_upload, reference=config.reference_rule,
+                      reference_dir=config.run_dir, **common)
     return PersonalizedFedAvg(**common)
 
 
@@ -256,6 +265,7 @@ def train(grid: Grid, checked: CheckedRun) -> None:
         if resumed is not None:
             strategy.load_state_dict(resumed.strategy, resumed.round,
                                      global_reference=resumed.global_reference)
+            resumed.global_reference.clear()  # restored: lets go of the arrays file
             strategy.load_optimizer_arrays(resumed.optimizer)
             if set(resumed.shared) != set(split.shared):
                 raise ConfigError("the checkpoint's shared block does not match this model")
@@ -289,6 +299,10 @@ def train(grid: Grid, checked: CheckedRun) -> None:
             "fine-tuned-keys": list(fine_tuned_keys(method, config, split)),
         }} if config.held_out_clients else {}),
         "precision": precision,
+        # How u_bar follows the clients, "auto" resolved (strategies/fedspc.py).
+        **({"fedspc-reference": {"setting": config.fedspc_reference,
+                                 "resolved": strategy.reference}}
+           if isinstance(strategy, FedSPC) else {}),
         **({"privacy": privacy_entry(config, strategy, num_rounds, split)}
            if config.dp else {}),
         # Which code, software and machine made it (each start of the run: segments).

@@ -7,7 +7,12 @@ clients among the n accepted replies can do to the aggregate:
 
 * ``median``: the coordinate-wise median (Yin et al., 2018);
 * ``trimmed-mean``: per coordinate, the mean after dropping the ``trim-fraction``
-  largest and smallest values (Flower's :func:`trim_mean`);
+  largest and smallest values (Flower's :func:`trim_mean` cuts floor(β·n) a side),
+  and never fewer than ``byzantine-clients`` f a side: max(floor(β·n), f) when
+  f > 0, so that replies that drop out do not leave the attackers untrimmed
+  (β = 0.2 trims nothing of n < 5). A round whose n replies cannot lose f a side
+  and keep one value (n ≤ 2f) fails with the reason (:meth:`AggregationRule.shortfall`):
+  the attackers may then be half the replies, and no coordinate rule bounds them;
 * ``krum``: the one update closest to its n − f − 2 nearest neighbours (Blanchard et
   al., 2017); ``multi-krum``: the mean of the m updates Krum scores best (Flower's
   :func:`select_multikrum`, on copies of the updates).
@@ -16,7 +21,10 @@ Krum scores the clients by their updates of the shared trainable parameters;
 the selected clients' whole shared blocks are then averaged. The coordinate rules
 apply to every floating-point shared entry (BatchNorm statistics too); integer
 counters keep the rounded mean. Every rule is unweighted. With FedSPC the update
-of u_bar follows the same rule (:func:`robust_reference_sum`).
+of u_bar follows the same rule (:func:`robust_reference_sum`, or the centre of the
+tracked u_k of :mod:`strategies.references`, which Krum scores themselves), and
+:meth:`AggregationRule.centre_rows` is the rule on one block of coordinates of many
+clients, for centres computed block by block.
 """
 
 from __future__ import annotations
@@ -29,10 +37,12 @@ from flwr.app import Array, ArrayRecord, RecordDict
 from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
 from flwr.serverapp.strategy.multikrum import select_multikrum
 
+from fedspc_app.core.config import AGGREGATIONS
+from fedspc_app.core.config import ROBUST_AGGREGATIONS as ROBUST
 from fedspc_app.core.records import ArrayDict
 
-AGGREGATIONS = ("mean", "weighted", "median", "trimmed-mean", "krum", "multi-krum")
-ROBUST = ("median", "trimmed-mean", "krum", "multi-krum")
+__all__ = ["AGGREGATIONS", "ROBUST", "AggregationRule", "krum_choice", "mean_arrays",
+           "robust_reference_sum", "trimmed_mean"]
 
 
 def mean_arrays(updates: Sequence[ArrayDict], weights: Sequence[float]) -> ArrayDict:
@@ -54,6 +64,26 @@ def mean_arrays(updates: Sequence[ArrayDict], weights: Sequence[float]) -> Array
     return out
 
 
+def trimmed_mean(values: np.ndarray, cut: int) -> np.ndarray:
+    """The mean along axis 0 after cutting the ``cut`` smallest and largest values:
+    Flower's :func:`trim_mean` with a count where it takes a fraction (the same
+    partition and mean, so ``cut = int(β·n)`` gives its result bit for bit)."""
+    count = values.shape[0]
+    if not 0 <= 2 * cut < count:
+        raise ValueError(f"cannot cut {cut} values at each end of {count}")
+    kept = np.partition(values, (cut, count - cut - 1), axis=0)[cut:count - cut]
+    return np.mean(kept, axis=0)
+
+
+def krum_choice(distances: np.ndarray, byzantine: int, count: int) -> list[int]:
+    """The ``count`` best-scored rows of a squared-distance matrix, as Flower's
+    :func:`select_multikrum` scores them (each by the sum of its distances to its
+    n − f − 2 nearest others), sorted; for distances accumulated block by block."""
+    closest = max(1, len(distances) - byzantine - 2)
+    scores = [np.sum(row[np.argsort(row)[1:closest + 1]]) for row in distances]
+    return sorted(int(i) for i in np.argsort(scores)[:count])
+
+
 @dataclass(frozen=True)
 class AggregationRule:
     """One of :data:`AGGREGATIONS` with its parameters.
@@ -65,7 +95,8 @@ class AggregationRule:
     trim_fraction : float (default: 0.1)
         ``trimmed-mean``: the fraction cut at each end, in [0, 0.5).
     byzantine : int (default: 0)
-        ``krum``/``multi-krum``: f, the number of faulty clients to tolerate.
+        f, the number of faulty clients to tolerate: Krum's and Multi-Krum's f, and
+        the fewest values ``trimmed-mean`` cuts at each end.
     krum_select : int (default: 0, meaning n − f)
         ``multi-krum``: how many of the best-scored updates are averaged.
     """
@@ -87,14 +118,33 @@ class AggregationRule:
     def robust(self) -> bool:
         return self.name in ROBUST
 
+    def trim_count(self, count: int) -> int:
+        """``trimmed-mean``: the values cut at each end of ``count``: floor(β·n) as
+        Flower's :func:`trim_mean`, and at least f when f > 0."""
+        cut = int(self.trim_fraction * count)
+        return max(cut, self.byzantine) if self.byzantine > 0 else cut
+
+    def shortfall(self, count: int) -> str | None:
+        """Why ``count`` values are too few for this rule to bound f faulty ones, or
+        None. Only ``trimmed-mean`` refuses: it would have to cut every value."""
+        if self.name == "trimmed-mean" and count <= 2 * self.trim_count(count):
+            return (f"trimmed-mean cuts byzantine-clients = {self.byzantine} values at "
+                    f"each end and {count} accepted replies leave none; with n ≤ 2f "
+                    "the faulty clients may be half the replies, which no coordinate "
+                    "rule bounds")
+        return None
+
+    def krum_count(self, count: int) -> int:
+        """How many of ``count`` updates Krum (1) or Multi-Krum (m, or n − f) keeps."""
+        chosen = 1 if self.name == "krum" else (self.krum_select or count - self.byzantine)
+        return max(1, min(chosen, count))
+
     def selected(self, updates: Sequence[ArrayDict], keys: Sequence[str]) -> list[int]:
         """The indices of the updates that enter the aggregate: all of them, except for
         Krum and Multi-Krum, which score the updates of ``keys``."""
         if self.name not in ("krum", "multi-krum") or len(updates) == 1:
             return list(range(len(updates)))
-        count = 1 if self.name == "krum" else (self.krum_select
-                                               or len(updates) - self.byzantine)
-        count = max(1, min(count, len(updates)))
+        count = self.krum_count(len(updates))
         # Flower's selection reads the first ArrayRecord of each RecordDict: copies
         # holding only the scored arrays, mapped back by identity.
         contents = [RecordDict({"arrays": ArrayRecord(
@@ -118,10 +168,22 @@ class AggregationRule:
                                        [1.0] * len(arrays))[key]
                 continue
             stacked = np.stack([np.asarray(a[key]) for a in arrays])
-            value = (np.median(stacked, axis=0) if self.name == "median"
-                     else trim_mean(stacked, self.trim_fraction))
-            out[key] = np.asarray(value, dtype=first.dtype)
+            out[key] = np.asarray(self.centre_rows(stacked), dtype=first.dtype)
         return out
+
+    def centre_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The rule's centre of ``rows`` (one client a row) along axis 0: the
+        coordinate-wise median or trimmed mean, else the unweighted mean as
+        :func:`mean_arrays` computes it (for Krum: of the rows it selected). A centre
+        taken block of coordinates by block equals the one taken at once."""
+        if self.name == "median":
+            return np.median(rows, axis=0)
+        if self.name == "trimmed-mean":
+            cut = self.trim_count(len(rows))
+            if cut == int(self.trim_fraction * len(rows)):
+                return trim_mean(rows, self.trim_fraction)  # Flower's own, as before
+            return trimmed_mean(rows, cut)
+        return mean_arrays([{"rows": row} for row in rows], [1.0] * len(rows))["rows"]
 
 
 def robust_reference_sum(rule: AggregationRule, changes: Sequence[ArrayDict],

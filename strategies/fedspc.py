@@ -22,14 +22,19 @@ of the changes of the clients Krum selects. A server optimizer moves theta_s onl
 
 u_bar is then the running sum of the rounds' robust centres, and a bias that has
 the same sign every round (one persistent attacker shifts the median of the changes
-a little, always the same way) accumulates in it. ``reference="client-centre"`` is a
-variant that does not accumulate: the server keeps every training client's u_k (it
-can: u_k^0 = 0 and the server has every accepted change; K copies of the corrected
-block in memory and in the checkpoint) and sets u_bar to the rule's centre of all K
-of them, clients that have not trained yet counting with u_k = 0. Under the mean it
-is Algorithm 1 (u_bar stays the mean of the u_k), up to float rounding; under a
-robust rule u_bar stays inside the honest clients' range whatever the rounds. Off by
-default (``reference="increment"``, Algorithm 1 with the rule on the changes).
+a little, always the same way) accumulates in it. ``reference="client-centre"`` does
+not accumulate: the server keeps every training client's u_k (it can: u_k^0 = 0 and
+the server has every accepted change; K copies of the corrected block, on disk:
+:mod:`strategies.references`, and in the checkpoint) and sets u_bar to the rule's
+centre of all K of them, clients that have not trained yet counting with u_k = 0.
+Under the mean it is Algorithm 1 (u_bar stays the mean of the u_k), up to float
+rounding; under a robust rule u_bar stays inside the honest clients' range whatever
+the rounds. The default, ``reference="auto"``, is Algorithm 1's increment under the
+mean (and under differential privacy) and the client centre under a robust rule.
+Under Krum the client centre scores what u_bar is made of, the u_k (which carry
+the reported E_k); the increment averages the changes of the clients Krum selected
+on their shared updates, which do not show E_k (kept so, for the results measured
+with it; the server also checks each E_k against its partition's size).
 
 Under differential privacy (``privacy``) u_bar is computed from the privatized
 aggregate only: every client takes the same public number of steps E, and the
@@ -43,16 +48,17 @@ SCAFFOLD is this strategy with every parameter shared.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from logging import INFO
+from pathlib import Path
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
+from fedspc_app.core.config import resolve_reference
 from fedspc_app.core.correction import (
-    add,
     global_reference_update,
     reference_change,
     shared_update,
@@ -70,8 +76,9 @@ from fedspc_app.core.protocol import (
 from fedspc_app.core.records import ArrayDict, from_record, to_record
 from strategies.aggregation import robust_reference_sum
 from strategies.personalized import PersonalizedFedAvg
+from strategies.references import ClientReferences
 
-REFERENCE_RULES = ("increment", "client-centre")
+REFERENCE_RULES = ("auto", "increment", "client-centre")
 # The checkpoint's key prefix of a tracked u_k ("client-centre"): client/<pid>/<key>.
 CLIENT_REFERENCE = "client/"
 
@@ -88,10 +95,15 @@ class FedSPC(PersonalizedFedAvg):
         The clients' local learning rate eta.
     upload : {"derived", "explicit"} (default: "derived")
         Whether clients upload their reference change or the server derives it.
-    reference : {"increment", "client-centre"} (default: "increment")
+    reference : {"auto", "increment", "client-centre"} (default: "auto")
         How u_bar follows the clients: Algorithm 1's increment by the (rule's centre
         of the) reference changes, or the rule's centre of every client's u_k, which
-        the server then keeps.
+        the server then keeps; ``auto``: the increment under the mean or with
+        differential privacy, the client centre under a robust rule.
+    reference_dir : str | Path | None (default: None, a temporary folder)
+        ``client-centre``: the folder the tracked u_k are kept in
+        (:class:`~strategies.references.ClientReferences`); the ServerApp passes the
+        run folder.
     **kwargs
         The arguments of :class:`PersonalizedFedAvg` (``shared_keys`` and so on).
     """
@@ -102,7 +114,8 @@ class FedSPC(PersonalizedFedAvg):
         corrected_keys: Sequence[str],
         learning_rate: float,
         upload: str = "derived",
-        reference: str = "increment",
+        reference: str = "auto",
+        reference_dir: str | Path | None = None,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
@@ -110,6 +123,7 @@ class FedSPC(PersonalizedFedAvg):
             raise ValueError(f"upload must be 'derived' or 'explicit', got {upload!r}")
         if reference not in REFERENCE_RULES:
             raise ValueError(f"reference must be one of {REFERENCE_RULES}, got {reference!r}")
+        reference = resolve_reference(reference, self.rule.name, self.privacy is not None)
         if reference == "client-centre" and self.privacy is not None:
             raise ValueError("reference 'client-centre' needs every client's reference "
                              "change, which differential privacy does not release")
@@ -121,7 +135,9 @@ class FedSPC(PersonalizedFedAvg):
         self.upload = upload
         self.reference = reference
         self.global_reference: ArrayDict | None = None
-        self.client_references: dict[int, ArrayDict] = {}  # "client-centre": u_k by pid
+        # "client-centre": u_k by partition id, on disk (created in round 1)
+        self.reference_dir = reference_dir
+        self.client_references: Mapping[int, ArrayDict] = {}
         self.num_clients = 0
         self.round_learning_rate = self.learning_rate
 
@@ -139,9 +155,9 @@ class FedSPC(PersonalizedFedAvg):
         """u_bar and the tracked u_k (``client/<pid>/<key>``), for a checkpoint
         (empty before round 1)."""
         arrays = dict(self.global_reference or {})
-        for pid, reference in self.client_references.items():
-            arrays.update({f"{CLIENT_REFERENCE}{pid}/{key}": value
-                           for key, value in reference.items()})
+        if isinstance(self.client_references, ClientReferences):
+            # Read one at a time as the checkpoint writes them, never all K at once.
+            arrays.update(self.client_references.deferred(CLIENT_REFERENCE))
         return arrays
 
     def load_state_dict(self, state: dict, completed_round: int,
@@ -151,11 +167,10 @@ class FedSPC(PersonalizedFedAvg):
         if not global_reference:
             return
         global_reference = dict(global_reference)  # the caller's stays as it was
-        tracked: dict[int, ArrayDict] = {}
+        tracked: dict[int, dict[str, object]] = {}  # the arrays are read one by one below
         for name in [n for n in global_reference if n.startswith(CLIENT_REFERENCE)]:
             pid, key = name[len(CLIENT_REFERENCE):].split("/", 1)
-            tracked.setdefault(int(pid), {})[key] = np.asarray(global_reference.pop(name),
-                                                                dtype=np.float32)
+            tracked.setdefault(int(pid), {})[key] = global_reference.pop(name)
         if set(global_reference) != set(self.corrected_keys):
             raise ValueError("the checkpoint's u_bar does not cover the corrected keys")
         if any(set(reference) != set(self.corrected_keys) for reference in tracked.values()):
@@ -165,7 +180,14 @@ class FedSPC(PersonalizedFedAvg):
                              "reference 'increment'")
         self.global_reference = {key: np.asarray(value, dtype=np.float32)
                                  for key, value in global_reference.items()}
-        self.client_references = tracked
+        if isinstance(self.client_references, ClientReferences):
+            self.client_references.close()
+        self.client_references = {}
+        if tracked:
+            store = self.reference_store()
+            for pid, reference in tracked.items():
+                for key, value in reference.items():
+                    store.put(pid, key, np.asarray(value))
 
     # ------------------------------------------------------------------ training
     def configure_train(
@@ -265,12 +287,15 @@ class FedSPC(PersonalizedFedAvg):
         tracked u_k of its client, then u_bar = the rule's centre of all K u_k (Krum:
         the mean of those it selects, scored on the u_k; a client that has not trained
         counts with u_k = 0). Under the mean this is Algorithm 1's mean of the u_k."""
-        zeros = zeros_like(self.global_reference, self.corrected_keys)
+        store = self.reference_store()
         for message, change in zip(accepted, changes):
-            pid = int(message.content.metric_records[METRICS][PARTITION_ID])
-            self.client_references[pid] = add(self.client_references.get(pid, zeros), change)
-        count = max(self.num_clients, max(self.client_references) + 1)
-        references = [self.client_references.get(pid, zeros) for pid in range(count)]
-        chosen = [references[i] for i in self.rule.selected(references, self.corrected_keys)]
-        return {key: np.asarray(value, dtype=np.float32)
-                for key, value in self.rule.combine(chosen, [1.0] * len(chosen)).items()}
+            store.add(int(message.content.metric_records[METRICS][PARTITION_ID]), change)
+        return store.centre(self.rule, max(self.num_clients, max(store) + 1))
+
+    def reference_store(self) -> ClientReferences:
+        """The tracked u_k (``client-centre``), created empty on first use."""
+        if not isinstance(self.client_references, ClientReferences):
+            shapes = {key: np.shape(self.global_reference[key]) for key in self.corrected_keys}
+            self.client_references = ClientReferences(shapes, self.num_partitions,
+                                                      folder=self.reference_dir)
+        return self.client_references

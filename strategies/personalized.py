@@ -517,6 +517,13 @@ class PersonalizedFedAvg(FedAvg):
         accepted = self.accept_replies(server_round, replies)
         if not accepted:
             return None, None
+        shortfall = self.rule.shortfall(len(accepted))
+        if shortfall is not None:  # too few replies for the rule to bound f faulty ones
+            self.report.failed, self.report.accepted = True, 0
+            self.report.reasons.append(shortfall)
+            log(WARNING, "round %d failed: %s; the shared block stays as it was",
+                server_round, shortfall)
+            return None, None
         return self.aggregate_accepted(server_round, accepted)
 
     def aggregate_accepted(

@@ -38,6 +38,8 @@ def width_models_text() -> str:
     names = list(WIDTH_MODELS)
     return ", ".join(names[:-1]) + " and " + names[-1]
 AGGREGATIONS = ("mean", "weighted", "median", "trimmed-mean", "krum", "multi-krum")
+# The rules a few lying clients cannot steer (strategies/aggregation.py).
+ROBUST_AGGREGATIONS = ("median", "trimmed-mean", "krum", "multi-krum")
 SERVER_OPTIMIZERS = ("mean", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
 ATTACKS = ("none", "scale", "sign-flip", "noise", "small-steps")
 DP_CLIPPING = ("client", "server")
@@ -48,12 +50,37 @@ AUGMENTS = ("auto", "none", "crop-flip")
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 REFERENCE_UPLOADS = ("derived", "explicit")
-REFERENCE_RULES = ("increment", "client-centre")
+REFERENCE_RULES = ("auto", "increment", "client-centre")
 FINETUNE_PARTS = ("all", "head")
 # What a held-out client fine-tunes before it is tested (clients/held_out.py).
 HELD_OUT_PARTS = ("auto", "personal", "all", "none")
 PARTITIONS = ("dirichlet", "classes")
 CACHE_DIR_ENV = "FEDSPC_CACHE_DIR"
+
+
+def resolve_reference(reference: str, aggregation: str, dp: bool) -> str:
+    """How FedSPC's u_bar follows the clients, ``fedspc-reference`` with ``auto``
+    resolved: Algorithm 1's ``increment`` under the mean (and under differential
+    privacy, which releases no client's own reference change), ``client-centre``
+    under a robust rule, so that u_bar is as robust as the shared block
+    (docs/robustness.md)."""
+    if reference != "auto":
+        return reference
+    if dp or aggregation not in ROBUST_AGGREGATIONS:
+        return "increment"
+    return "client-centre"
+
+
+def resolved_settings(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Run-config ``values`` (kebab-case, as config.json records them) with ``auto``
+    resolved where it decides the arithmetic (``fedspc-reference``), so that runs
+    recorded before a default became ``auto`` compare equal to the same run now."""
+    out = dict(values)
+    if "fedspc-reference" in out:
+        dp = float(out.get("dp-clipping-norm") or 0.0) > 0
+        out["fedspc-reference"] = resolve_reference(
+            str(out["fedspc-reference"]), str(out.get("aggregation", "mean")), dp)
+    return out
 
 
 def default_cache_dir() -> Path:
@@ -90,7 +117,7 @@ class RunConfig:
     method: str = "fedavg"
     fedspc: bool = False
     fedspc_upload: str = "derived"
-    fedspc_reference: str = "increment"
+    fedspc_reference: str = "auto"
     shared_keys: str = ""
     personal_keys: str = ""
 
@@ -188,6 +215,11 @@ class RunConfig:
     attack_scale: float = 50.0
 
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def reference_rule(self) -> str:
+        """``fedspc-reference`` with ``auto`` resolved (:func:`resolve_reference`)."""
+        return resolve_reference(self.fedspc_reference, self.aggregation, self.dp)
 
     @property
     def dp(self) -> bool:
@@ -351,9 +383,9 @@ def _check_privacy(config: RunConfig) -> None:
     if config.fedspc_upload != "derived":
         refusals.append("'fedspc-upload' = 'derived' (an uploaded reference change would "
                         "leave the server unclipped and unnoised)")
-    if config.fedspc_reference != "increment":
-        refusals.append("'fedspc-reference' = 'increment' (u_bar is computed from the "
-                        "privatized aggregate; no client's own change is released)")
+    if config.fedspc_reference == "client-centre":
+        refusals.append("'fedspc-reference' = 'increment' or 'auto' (u_bar is computed "
+                        "from the privatized aggregate; no client's own change is released)")
     if config.dp_noise_multiplier > 0 and math.isinf(config.dp_clipping_norm):
         refusals.append("a finite 'dp-clipping-norm' when 'dp-noise-multiplier' > 0 "
                         "(the noise is sigma times it)")
@@ -401,6 +433,13 @@ def validate(config: RunConfig) -> RunConfig:
         raise ConfigError("run-config 'trim-fraction' must be in [0, 0.5), "
                           f"got {config.trim_fraction!r}")
     _at_least("byzantine-clients", config.byzantine_clients, 0)
+    training = config.num_clients - config.held_out_clients
+    if (config.aggregation == "trimmed-mean" and config.byzantine_clients > 0
+            and 0 < training <= 2 * config.byzantine_clients):
+        raise ConfigError(
+            f"run-config 'aggregation' = 'trimmed-mean' cuts byzantine-clients = "
+            f"{config.byzantine_clients} values at each end of every coordinate, which "
+            f"leaves nothing of the {training} training clients")
     _at_least("krum-select", config.krum_select, 0)
     _at_least("attack-clients", config.attack_clients, 0)
     _at_least("server-learning-rate", config.server_learning_rate, 0.0)

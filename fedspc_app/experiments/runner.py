@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from fedspc_app.core.config import parse_stop_by
+from fedspc_app.core.config import parse_stop_by, resolved_settings
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.files import atomic_write, holder_text, lock_holder
 from fedspc_app.experiments.estimate import Estimate, estimate, machine_label, timed_runs
@@ -77,8 +77,8 @@ def config_changes(cell: Cell) -> list[str]:
     recorded = read_json(cell.run_dir / CONFIG_JSON)
     if not isinstance(recorded, dict) or not isinstance(recorded.get("run-config"), dict):
         return []
-    old = recorded["run-config"]
-    return sorted(key for key, value in cell.run_config.items()
+    old = resolved_settings(recorded["run-config"])
+    return sorted(key for key, value in resolved_settings(cell.run_config).items()
                   if key not in RESULT_IRRELEVANT and key in old and old[key] != value)
 
 

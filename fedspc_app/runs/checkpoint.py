@@ -23,7 +23,8 @@ import numpy as np
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.supercore import log
 
-from fedspc_app.core.config import RunConfig
+from fedspc_app.core.config import RunConfig, resolved_settings
+from fedspc_app.core.deferred import Deferred
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.files import atomic_open, atomic_write
 from fedspc_app.core.records import ArrayDict, from_record
@@ -50,12 +51,18 @@ MAY_CHANGE = frozenset({
     "wandb", "wandb-project", "wandb-entity", "wandb-mode", "stop-by",
 })
 
+# Run-config keys whose default changed: what a checkpoint that does not name them
+# ran with (before "auto", u_bar was always Algorithm 1's increment).
+FORMER_DEFAULTS = {"fedspc-reference": "increment"}
 
 
 def fingerprint(config: RunConfig, num_clients: int) -> dict[str, Any]:
     """The settings a checkpoint must share with the run that resumes it."""
     values = {k: v for k, v in config.to_dict().items() if k not in MAY_CHANGE}
     values["num-clients"] = num_clients  # the resolved K, whatever the key said
+    # u_bar's rule as resolved: a checkpoint of the same arithmetic resumes whether it
+    # was written with "auto" or with the rule "auto" resolves to.
+    values["fedspc-reference"] = config.reference_rule
     return values
 
 
@@ -66,6 +73,7 @@ class Checkpoint:
     round: int
     phase: str
     shared: ArrayDict
+    # The strategy's state_arrays(); read back as Deferred (:func:`_read_arrays`).
     global_reference: ArrayDict
     strategy: dict[str, Any]
     failed_streak: int = 0
@@ -129,12 +137,12 @@ def read_checkpoint(run_dir: Path, identity: dict[str, Any]) -> Checkpoint | Non
         payload = json.loads(path.read_text())
         if payload.get("format") != FORMAT_VERSION:
             raise ValueError(f"format {payload.get('format')!r}, expected {FORMAT_VERSION}")
-        with np.load(Path(run_dir) / payload["arrays"], allow_pickle=False) as data:
-            arrays = {name: data[name] for name in data.files}
+        arrays = _read_arrays(Path(run_dir) / payload["arrays"])
     except (OSError, ValueError, KeyError) as error:
         raise ConfigError(f"cannot resume from {path}: {error}") from error
-    # A key added to the run-config after the checkpoint was written had its default.
-    saved = {**RunConfig().to_dict(), **payload["run"]}
+    # A key added to the run-config after the checkpoint was written had its default,
+    # or the value that default had then (FORMER_DEFAULTS); "auto" is compared resolved.
+    saved = resolved_settings({**RunConfig().to_dict(), **FORMER_DEFAULTS, **payload["run"]})
     differing = sorted(key for key in set(identity) | set(payload["run"])
                        if saved.get(key) != identity.get(key))
     if differing:
@@ -157,6 +165,19 @@ def read_checkpoint(run_dir: Path, identity: dict[str, Any]) -> Checkpoint | Non
         train_metrics=payload.get("train-metrics"),
         trained=payload.get("trained"),
     )
+
+
+def _read_arrays(path: Path) -> dict[str, np.ndarray | Deferred]:
+    """The arrays of a checkpoint, those of the strategy's state (``reference/``: u_bar
+    and the u_k a FedSPC server tracks, K of them) left :class:`Deferred`, each read
+    from the file when the strategy restores it, so that K × d never sits in memory."""
+    data = np.load(path, allow_pickle=False)  # closed once the last Deferred is dropped
+
+    def member(name: str) -> Deferred:
+        return Deferred(lambda: data[name])
+
+    return {name: member(name) if name.startswith(REFERENCE) else data[name]
+            for name in data.files}
 
 
 def saved_progress(run_dir: Path) -> tuple[int, float] | None:
