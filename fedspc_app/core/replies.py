@@ -79,7 +79,10 @@ def _bound(value: float) -> str:
     """A bound as the docs write it: 2^40, 1e30, 1e9, 0, 5."""
     if value == MAX_COUNT:
         return "2^40"
-    return f"{value:.0e}".replace("e+", "e") if abs(value) >= 1e6 else f"{value:g}"
+    if abs(value) < 1e6:
+        return f"{value:g}"
+    mantissa, exponent = f"{value:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
 
 
 def is_int(value: object) -> bool:
