@@ -415,8 +415,8 @@ class PersonalizedFedAvg(FedAvg):
         claimed = message.content.metric_records[METRICS][PARTITION_ID]
         bound = self.sampler.partition_of.get(node)
         if bound is None:
-            return (f"node {node} is bound to no partition (it never answered the "
-                    f"partition query), yet replies for partition {claimed}")
+            return (f"node {node} is bound to no partition (no answer before training "
+                    f"was accepted), yet replies for partition {claimed}")
         if claimed != bound:
             return f"node {node} is bound to partition {bound}, its reply claims {claimed}"
         return None
