@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
@@ -191,6 +191,7 @@ class CheckedRun:
     split: ParameterSplit
     warm_up: warm_up.WarmUp | None = None
     dataset: ImageDataset | None = None  # when the server holds the data
+    nodes: Mapping[int, int] | None = None  # node id -> partition, as preflight found
 
 
 @app.main()
@@ -232,8 +233,9 @@ def check_run(grid: Grid, context: Context) -> CheckedRun:
             f"run-config 'held-out-clients' = {config.held_out_clients} leaves no client to "
             f"train among the run's {num_clients} clients (the held-out clients are "
             "counted in them: raise the number of SuperNodes / num-supernodes)")
+    nodes: dict[int, int] = {}
     if deployment:
-        partition = preflight(grid, config, num_clients, shape)
+        partition, nodes = preflight(grid, config, num_clients, shape)
         sizes = {"train": sum(map(sum, partition["train_counts"])),
                  "test": sum(map(sum, partition["test_counts"]))}
     else:
@@ -246,7 +248,7 @@ def check_run(grid: Grid, context: Context) -> CheckedRun:
                             local_buffers=config.dp)
     check_server_evaluation(config, split, dataset)
     return CheckedRun(config, method, deployment, num_clients, shape, sizes, partition,
-                      model, split, warming, dataset)
+                      model, split, warming, dataset, nodes)
 
 
 def train(grid: Grid, checked: CheckedRun) -> None:
@@ -281,6 +283,12 @@ def train(grid: Grid, checked: CheckedRun) -> None:
         log(WARNING, "%s", code_warning)
     warmed = (warm_up.finish(grid, checked.warm_up, config.round_timeout)
               if checked.warm_up else None)
+    # Each node replies only for the partition it named before round 1 (its preflight
+    # report in a deployment, its warm-up answer in a simulation).
+    for node, partition_id in (checked.nodes or {}).items():
+        strategy.sampler.bind(node, partition_id)
+    if checked.warm_up:
+        strategy.sampler.bind_answers(checked.warm_up.answers)
     recorder.start(extra={
         "method": method.summary,
         "num-clients": num_clients,

@@ -74,6 +74,7 @@ from fedspc_app.core.protocol import (
     SHARED_STEPS,
 )
 from fedspc_app.core.records import ArrayDict, from_record, to_record
+from fedspc_app.core.replies import ReplySchema, train_schema
 from strategies.aggregation import robust_reference_sum
 from strategies.personalized import PersonalizedFedAvg
 from strategies.references import ClientReferences
@@ -209,28 +210,13 @@ class FedSPC(PersonalizedFedAvg):
             message.content[GLOBAL_REFERENCE] = reference
         return messages
 
-    def check_reply(self, message: Message) -> str | None:
-        """Why a train reply is unusable: :class:`PersonalizedFedAvg`'s checks, then
-        FedSPC's own (the shared steps E_k, and an uploaded reference change)."""
-        reason = super().check_reply(message)
-        if reason is not None:
-            return reason
-        steps = message.content.metric_records[METRICS].get(SHARED_STEPS)
-        if not isinstance(steps, int) or steps <= 0:
-            return f"'{SHARED_STEPS}' must be a positive integer, got {steps!r}"
-        if self.upload == "explicit":
-            record = message.content.array_records.get(REFERENCE_CHANGE)
-            if record is None:
-                return f"no ArrayRecord '{REFERENCE_CHANGE}' in the reply"
-            if set(record.keys()) != set(self.corrected_keys):
-                return "the reference change does not cover exactly the corrected keys"
-            for key, array in record.items():
-                value = array.numpy()
-                if value.shape != self.global_reference[key].shape:
-                    return f"reference change {key!r} has shape {value.shape}"
-                if not np.all(np.isfinite(value)):
-                    return f"reference change {key!r} holds non-finite values"
-        return None
+    def reply_schema(self) -> ReplySchema:
+        """:class:`PersonalizedFedAvg`'s schema, with FedSPC's own fields: the shared
+        steps E_k (at least 1), and an uploaded reference change with u_bar's keys,
+        dtype and shapes."""
+        explicit = self.upload == "explicit" and self.global_reference is not None
+        return train_schema(self.broadcast, self.num_partitions, steps_required=True,
+                            reference_change=self.global_reference if explicit else None)
 
     def reference_change_of(self, message: Message) -> ArrayDict:
         """``u_k^{t+1} - u_k^t`` of one accepted reply (uploaded or derived)."""

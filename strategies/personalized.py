@@ -1,8 +1,11 @@
 """FedAvg over the shared block of a personalized model.
 
 The server only ever holds the shared state-dict entries of the method; replies
-are checked key by key (a reply carrying a key outside the shared set, a wrong
-shape or a non-finite value is dropped with a logged reason) and averaged with
+are checked against their schema before anything in them is used
+(:mod:`fedspc_app.core.replies`: records, keys, dtypes, shapes, finite bounded
+values, every metric's type and range) and against the partition their node is
+bound to (a node replies for its own partition only); a reply that fails is
+dropped with a one-line reason. The usable ones are averaged with
 the paper's unweighted mean (or sample-weighted, as an option). A round in which
 fewer than ``min_train_replies`` of the sampled clients sent a usable reply fails:
 the shared block stays as it was. Every message tells the clients which of their
@@ -66,12 +69,12 @@ from fedspc_app.core.protocol import (
     TRAIN_LOSS,
 )
 from fedspc_app.core.records import ArrayDict, from_record, to_record
+from fedspc_app.core.replies import ReplySchema, evaluate_schema, one_line, train_schema
 from strategies.aggregation import AggregationRule, mean_arrays
 from strategies.drift import drift_statistics
 from strategies.sampling import PartitionSampler
 from strategies.server_optimizer import ServerOptimizer
 
-EVALUATION_KEYS = (NUM_EXAMPLES, CORRECT, LOSS_SUM, PARTITION_ID)
 DP_SECRET = "dp-secret"  # the checkpoint's key of the privacy secret
 
 
@@ -403,40 +406,25 @@ class PersonalizedFedAvg(FedAvg):
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         return list(self._construct_messages(record, nodes, kind)), drawn
 
+    def reply_schema(self) -> ReplySchema:
+        """What a train reply of this round must hold (:mod:`fedspc_app.core.replies`):
+        the shared block with the broadcast's keys, dtypes and shapes, and the metrics."""
+        return train_schema(self.broadcast, self.num_partitions)
+
     def check_reply(self, message: Message) -> str | None:
-        """Why a train reply is unusable, or ``None`` when it is fine."""
-        if message.has_error():
-            return f"client error: {message.error.reason}"
-        content = message.content
-        if ARRAYS not in content.array_records:
-            return f"no ArrayRecord '{ARRAYS}' in the reply"
-        if METRICS not in content.metric_records:
-            return f"no MetricRecord '{METRICS}' in the reply"
-        record = content.array_records[ARRAYS]
-        keys = set(record.keys())
-        expected = set(self.shared_keys)
-        if keys != expected:
-            extra, missing = sorted(keys - expected), sorted(expected - keys)
-            return (f"reply arrays do not match the shared keys "
-                    f"(unexpected: {extra[:3]}, missing: {missing[:3]})")
-        for key, array in record.items():
-            value = array.numpy()
-            reference = self.broadcast[key]
-            if value.shape != reference.shape:
-                return f"{key!r} has shape {value.shape}, expected {reference.shape}"
-            if np.issubdtype(value.dtype, np.floating) and not np.all(np.isfinite(value)):
-                return f"{key!r} holds non-finite values"
-        metrics = content.metric_records[METRICS]
-        num_examples = metrics.get(NUM_EXAMPLES)
-        if not isinstance(num_examples, int) or num_examples <= 0:
-            return f"'num-examples' must be a positive integer, got {num_examples!r}"
-        reason = self._check_partition(message, metrics.get(PARTITION_ID))
-        if reason is None and metrics[PARTITION_ID] >= self.num_training:
-            reason = (f"partition {metrics[PARTITION_ID]} is a held-out client, which "
-                      "never trains")
-        if reason is None and self.expected_counts is not None:
-            reason = self._check_counts(metrics)
-        return reason
+        """Why a train reply is unusable, or ``None`` when it is fine: its schema, the
+        partition its node is bound to, and the counts its partition implies."""
+        if self.broadcast is None:
+            return "no round is in progress (nothing was broadcast)"
+        reason = self.reply_schema().check(message) or self._check_partition(message)
+        if reason is not None:
+            return reason
+        metrics = message.content.metric_records[METRICS]
+        if metrics[PARTITION_ID] >= self.num_training:
+            return f"partition {metrics[PARTITION_ID]} is a held-out client, which never trains"
+        if self.expected_counts is not None:
+            return self._check_counts(metrics)
+        return None
 
     def _check_counts(self, metrics: MetricRecord) -> str | None:
         """Why the reply's training images or shared steps are not what its partition's
@@ -455,12 +443,18 @@ class PersonalizedFedAvg(FedAvg):
                     f"imply {steps}")
         return None
 
-    def _check_partition(self, message: Message, partition_id: object) -> str | None:
-        """Why the reply's partition id is wrong; a right one is remembered for sampling."""
-        if not isinstance(partition_id, int) or not 0 <= partition_id < self.num_partitions:
-            return (f"'partition-id' must be an integer in [0, {self.num_partitions}), "
-                    f"got {partition_id!r}")
-        self.sampler.learn(message.metadata.src_node_id, partition_id)
+    def _check_partition(self, message: Message) -> str | None:
+        """Why the (schema-checked) reply's partition is not its node's: a node replies
+        only for the partition it was bound to before it was messaged
+        (:meth:`PartitionSampler.bind`), never for another's."""
+        node = message.metadata.src_node_id
+        claimed = message.content.metric_records[METRICS][PARTITION_ID]
+        bound = self.sampler.partition_of.get(node)
+        if bound is None:
+            return (f"node {node} is bound to no partition (no answer before training "
+                    f"was accepted), yet replies for partition {claimed}")
+        if claimed != bound:
+            return f"node {node} is bound to partition {bound}, its reply claims {claimed}"
         return None
 
     def accept_replies(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
@@ -484,6 +478,7 @@ class PersonalizedFedAvg(FedAvg):
                 accepted.append(message)
             else:
                 node = message.metadata.src_node_id
+                reason = one_line(reason)
                 report.reasons.append(f"node {node}: {reason}")
                 log(WARNING, "round %d: dropped the reply of node %d: %s", server_round,
                     node, reason)
@@ -617,24 +612,10 @@ class PersonalizedFedAvg(FedAvg):
 
     # ---------------------------------------------------------------- evaluation
     def check_evaluation(self, message: Message) -> str | None:
-        """Why an evaluation reply is unusable, or ``None`` when it is fine."""
-        if message.has_error():
-            return f"client error: {message.error.reason}"
-        metrics = message.content.metric_records.get(METRICS)
-        if metrics is None:
-            return f"no MetricRecord '{METRICS}' in the reply"
-        missing = [key for key in EVALUATION_KEYS if key not in metrics]
-        if missing:
-            return f"missing {', '.join(missing)}"
-        examples, correct, loss = (metrics[NUM_EXAMPLES], metrics[CORRECT],
-                                   metrics[LOSS_SUM])
-        if not isinstance(examples, int) or examples <= 0:
-            return f"'num-examples' must be a positive integer, got {examples!r}"
-        if not isinstance(correct, int) or not 0 <= correct <= examples:
-            return f"'correct' must be an integer in [0, {examples}], got {correct!r}"
-        if not isinstance(loss, (int, float)) or not math.isfinite(loss) or loss < 0:
-            return f"'loss-sum' must be finite and >= 0, got {loss!r}"
-        return self._check_partition(message, metrics[PARTITION_ID])
+        """Why an evaluation reply is unusable, or ``None`` when it is fine: its schema
+        and the partition its node is bound to."""
+        return (evaluate_schema(self.num_partitions).check(message)
+                or self._check_partition(message))
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
@@ -656,7 +637,7 @@ class PersonalizedFedAvg(FedAvg):
                     continue
             dropped += 1
             log(WARNING, "round %d: dropped the evaluation reply of node %d: %s",
-                server_round, message.metadata.src_node_id, reason)
+                server_round, message.metadata.src_node_id, one_line(reason))
         if self.report is not None and self.report.server_round == server_round:
             self.report.evaluate_dropped = dropped
         held = {pid: rows.pop(pid) for pid in list(rows) if pid >= self.num_training}

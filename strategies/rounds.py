@@ -19,10 +19,8 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedspc_app.core.errors import FedSPCError
-from fedspc_app.core.protocol import (
-    TIMINGS,
-)
 from fedspc_app.core.records import reply_metrics
+from fedspc_app.core.replies import TIMING_METRICS
 from fedspc_app.core.startup import worker_startup
 from strategies.personalized import RoundReport
 
@@ -40,10 +38,8 @@ class TooManyFailedRounds(FedSPCError):
 def expected_seconds(reply: Message) -> float | None:
     """A client's own seconds for a message (setup + work), from its reply's metrics."""
     metrics = reply_metrics(reply)
-    if metrics is None:
-        return None
-    values = [metrics.get(key) for key in TIMINGS]
-    if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
+    values = [metric.read(metrics) for metric in TIMING_METRICS]
+    if any(value is None for value in values):
         return None
     return float(sum(values))
 

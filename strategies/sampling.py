@@ -8,9 +8,12 @@ message the same clients. A round waits at most ``node_wait`` seconds for missin
 nodes, then goes on with the connected ones; a drawn client that is not connected
 counts as a sampled client that did not reply, and the round failure policy decides.
 
-With partial participation the sampler first learns each node's partition id: from
-the replies it sees, and for a node it has not heard from, with one small query
-(``NODE_QUERY``; nothing is loaded on the node).
+Each node is bound to one partition before it is messaged, from its first answer
+before any training: the simulation's warm-up, the deployment's preflight report,
+or for a node not heard from yet one small query (``NODE_QUERY``; nothing is loaded
+on the node). A binding never changes, and a node is not bound to a partition that
+another connected node holds; replies are checked against the binding, so a node
+cannot reply for another's partition (docs/robustness.md, "Reply checks").
 
 Under differential privacy (:attr:`PartitionSampler.secret` set) the training draw
 is Poisson sampling instead: each training partition independently with probability
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from logging import INFO, WARNING
 
 import numpy as np
@@ -38,6 +41,7 @@ from flwr.supercore import log
 
 from fedspc_app.core.privacy import SAMPLE, secret_generator
 from fedspc_app.core.protocol import CONFIG, METRICS, NODE_QUERY, PARTITION_ID, QUERY
+from fedspc_app.core.replies import node_answer_schema, one_line
 
 QUERY_TIMEOUT = 120.0  # seconds for the nodes' partition ids (a node answers from memory)
 
@@ -70,14 +74,42 @@ class PartitionSampler:
         self.seed = seed
         self.node_wait = node_wait
         self.wait_for = wait_for or num_partitions
-        self.partition_of: dict[int, int] = {}  # node id -> partition id, newest last
+        self.partition_of: dict[int, int] = {}  # node id -> its bound partition id
         # Differential privacy: the server's secret; training draws are Poisson from it.
         self.secret: int | None = None
 
-    def learn(self, node_id: int, partition_id: int) -> None:
-        """Record that ``node_id`` holds ``partition_id`` (a later node for it wins)."""
-        self.partition_of.pop(node_id, None)
+    def bind(self, node_id: int, partition_id: int,
+             online: Collection[int] | None = None) -> str | None:
+        """Bind ``node_id`` to ``partition_id``; why not, when refused: a node keeps its
+        first partition, and a partition held by another node that is connected (in
+        ``online``; ``None``: any node bound so far) is not given to a second one."""
+        bound = self.partition_of.get(node_id)
+        if bound is not None:
+            return (None if bound == partition_id else
+                    f"node {node_id} is bound to partition {bound}, it now claims "
+                    f"{partition_id}")
+        holders = [node for node, partition in self.partition_of.items()
+                   if partition == partition_id and (online is None or node in online)]
+        if holders:
+            return f"partition {partition_id} is held by connected node {holders[0]}"
         self.partition_of[node_id] = partition_id
+        return None
+
+    def bind_answers(self, replies: Iterable[Message],
+                     online: Collection[int] | None = None) -> None:
+        """Bind the nodes of query answers (the partition query, the warm-up) to the
+        partition each names; an answer without a valid one, or a refused claim, is
+        logged and leaves its node unbound (not messaged)."""
+        schema = node_answer_schema(self.num_partitions)
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            reason = schema.check(reply)
+            if reason is None:
+                reason = self.bind(node, reply.content.metric_records[METRICS][PARTITION_ID],
+                                   online)
+            if reason is not None:
+                log(WARNING, "node %d is not bound to a partition (%s); it is not "
+                    "messaged", node, one_line(reason))
 
     def draw(self, server_round: int, fraction: float, phase: str) -> list[int]:
         """The partition ids drawn for ``phase`` of ``server_round``, sorted (among the
@@ -108,7 +140,8 @@ class PartitionSampler:
         return nodes
 
     def ask(self, grid: Grid, nodes: Sequence[int]) -> None:
-        """Learn the partition id of every node in ``nodes`` not heard from yet."""
+        """Bind every node in ``nodes`` (the connected ones) not bound yet, from its
+        answer to the partition query."""
         unknown = [node for node in nodes if node not in self.partition_of]
         if not unknown:
             return
@@ -116,30 +149,19 @@ class PartitionSampler:
         messages = [Message(RecordDict({CONFIG: ConfigRecord({QUERY: NODE_QUERY})}),
                             dst_node_id=node, message_type=MessageType.QUERY)
                     for node in unknown]
-        for reply in grid.send_and_receive(messages, timeout=QUERY_TIMEOUT):
-            node = reply.metadata.src_node_id
-            partition_id = (None if reply.has_error() else
-                            reply.content.metric_records.get(METRICS, {}).get(PARTITION_ID))
-            if isinstance(partition_id, int) and 0 <= partition_id < self.num_partitions:
-                self.learn(node, partition_id)
-            else:
-                log(WARNING, "node %d did not tell its partition id (%s); it is not sampled",
-                    node, reply.error.reason if reply.has_error() else partition_id)
+        self.bind_answers(grid.send_and_receive(messages, timeout=QUERY_TIMEOUT), set(nodes))
 
     def sample(self, grid: Grid, server_round: int, fraction: float,
                phase: str) -> tuple[list[int], int]:
-        """The node ids to message and the number of clients drawn.
-
-        Every connected node when the whole federation is drawn (the ``wait_for``
-        nodes expected, of which the missing count as drawn); otherwise the nodes of the
-        drawn partitions that are connected.
-        """
+        """The node ids to message and the number of clients drawn: the connected
+        nodes bound to the drawn partitions. When the whole federation is drawn, the
+        ``wait_for`` nodes expected count as drawn."""
         drawn = self.draw(server_round, fraction, phase)
-        nodes = self.connected(grid)
+        node_of = self.nodes_of(grid, self.connected(grid))
+        nodes = [node_of[p] for p in drawn if p in node_of]
         if len(drawn) == self.num_partitions:
-            return nodes, max(len(nodes), self.wait_for)
-        node_of = self.nodes_of(grid, nodes)
-        return [node_of[p] for p in drawn if p in node_of], len(drawn)
+            return sorted(nodes), max(len(nodes), self.wait_for)
+        return nodes, len(drawn)
 
     def held_out_nodes(self, grid: Grid) -> tuple[list[int], int]:
         """The connected nodes of the held-out partitions (in partition order), and
@@ -152,7 +174,7 @@ class PartitionSampler:
         return [node_of[p] for p in held if p in node_of], self.held_out
 
     def nodes_of(self, grid: Grid, nodes: Sequence[int]) -> dict[int, int]:
-        """Partition id -> node id, over ``nodes`` (asking those not heard from yet)."""
+        """Partition id -> node id, over ``nodes`` (binding those not bound yet)."""
         self.ask(grid, nodes)
         online = set(nodes)
         return {partition: node for node, partition in self.partition_of.items()

@@ -160,12 +160,22 @@ def reply(outcome, node_id: int) -> Message:
         "metrics": MetricRecord({**outcome.metrics, "num-examples": 1,
                                  "partition-id": node_id - 1}),
     })
-    return Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN)
+    message = Message(content=content, dst_node_id=0, message_type=MessageType.TRAIN)
+    message.metadata.__dict__["_src_node_id"] = node_id  # what the SuperLink sets
+    return message
 
 
 class TwoNodes:
+    """Nodes 1 and 2, holding partitions 0 and 1 (they say so when asked)."""
+
     def get_node_ids(self):
         return [1, 2]
+
+    def send_and_receive(self, messages, *, timeout=None):
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = f"q{message.metadata.dst_node_id}"
+        return [Message(RecordDict({"metrics": MetricRecord(
+            {"partition-id": m.metadata.dst_node_id - 1})}), reply_to=m) for m in messages]
 
 
 def test_fedspc_server_rounds_by_hand(task_identity):

@@ -650,8 +650,11 @@ def test_a_resumed_run_with_partial_participation_samples_the_same_clients(tmp):
     assert trained(resumed) == trained(expected)
     assert accuracies(resumed) == accuracies(expected)
     assert losses(resumed) == losses(expected)
-    queries = [m for m in grid.queries if m.content.config_records["config"]["query"] == "node"]
-    assert sorted(m.metadata.dst_node_id for m in queries) == [15, 311, 907]
+    # The renumbered nodes were bound to their partitions by their warm-up answers:
+    # no partition query was needed.
+    kinds = [m.content.config_records["config"]["query"] for m in grid.queries]
+    assert sorted(m.metadata.dst_node_id for m in grid.queries) == [15, 311, 907]
+    assert kinds == ["warm-up"] * 3
 
 
 def test_a_failed_round_keeps_the_last_checkpoint_and_is_done_again_on_resume(

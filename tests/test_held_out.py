@@ -235,6 +235,8 @@ def test_a_held_out_client_refuses_to_train_and_its_reply_would_be_dropped():
     answer = next(m for m in grid.replies if m.metadata.message_type == MessageType.TRAIN)
     answer.content.metric_records[METRICS][PARTITION_ID] = TOTAL - 1
     strategy.broadcast = from_record(train.content.array_records["arrays"])
+    # Even from the node bound to the held-out partition.
+    assert strategy.sampler.bind(answer.metadata.src_node_id, TOTAL - 1) is None
     assert "held-out client" in strategy.check_reply(answer)
 
 

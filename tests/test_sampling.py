@@ -28,6 +28,7 @@ class Nodes:
     def __init__(self, nodes: dict[int, int]) -> None:
         self.nodes = nodes
         self.queried: list[int] = []
+        self.drop_key = None  # a node that answers without its partition id
 
     def get_node_ids(self):
         return list(self.nodes)
@@ -39,8 +40,11 @@ class Nodes:
             assert message.content.config_records["config"]["query"] == NODE_QUERY
             node = message.metadata.dst_node_id
             self.queried.append(node)
-            reply = Message(RecordDict({"metrics": MetricRecord(
-                {"partition-id": self.nodes[node]})}), reply_to=message)
+            metrics = MetricRecord()
+            if node != self.drop_key:
+                # Set past MetricRecord's own type check: what a node could send.
+                metrics.__dict__["_data"]["partition-id"] = self.nodes[node]
+            reply = Message(RecordDict({"metrics": metrics}), reply_to=message)
             reply.metadata.__dict__["_src_node_id"] = node
             replies.append(reply)
         return replies
@@ -84,9 +88,54 @@ def test_the_same_partitions_are_sampled_whatever_the_node_ids():
 
 def test_every_connected_node_when_the_whole_federation_is_drawn():
     grid = Nodes(with_ids([5, 9, 2]))
-    nodes, drawn = PartitionSampler(3).sample(grid, 1, 1.0, "train")
+    sampler = PartitionSampler(3)
+    nodes, drawn = sampler.sample(grid, 1, 1.0, "train")
     assert nodes == [2, 5, 9] and drawn == 3
-    assert grid.queried == []  # no query is needed
+    assert sorted(grid.queried) == [2, 5, 9]  # each bound to its partition once
+    assert sampler.sample(grid, 2, 1.0, "train") == ([2, 5, 9], 3)
+    assert len(grid.queried) == 3
+
+
+def test_nodes_bound_before_round_1_are_not_asked():
+    grid = Nodes(with_ids([5, 9, 2]))
+    sampler = PartitionSampler(3)
+    for node, partition in grid.nodes.items():  # the warm-up's or preflight's answers
+        assert sampler.bind(node, partition) is None
+    assert sampler.sample(grid, 1, 1.0, "train") == ([2, 5, 9], 3)
+    assert grid.queried == []
+
+
+def test_a_binding_never_changes_and_a_held_partition_is_not_given_twice():
+    sampler = PartitionSampler(4)
+    assert sampler.bind(10, 1) is None and sampler.bind(10, 1) is None
+    assert sampler.bind(10, 2) == "node 10 is bound to partition 1, it now claims 2"
+    assert sampler.bind(11, 1) == "partition 1 is held by connected node 10"
+    assert sampler.partition_of == {10: 1}
+    # Once node 10 is gone (a restarted node comes back under a new id), its partition
+    # goes to the node that claims it.
+    assert sampler.bind(11, 1, online={11}) is None
+    assert sampler.partition_of == {10: 1, 11: 1}
+
+
+def test_a_node_claiming_a_connected_nodes_partition_is_not_messaged():
+    # Node 7 answers the partition query with node 5's partition 0: it stays unbound,
+    # so it is never messaged, and node 5 keeps its partition.
+    grid = Nodes({5: 0, 6: 1, 7: 0})
+    sampler = PartitionSampler(2)
+    nodes, drawn = sampler.sample(grid, 1, 1.0, "train")
+    assert nodes == [5, 6] and drawn == 2 and sampler.partition_of == {5: 0, 6: 1}
+
+
+@pytest.mark.parametrize("answer", [True, 1.0, [1], -1, 2, None],
+                         ids=["bool", "float", "list", "negative", "too-large", "missing"])
+def test_an_invalid_partition_answer_leaves_the_node_unbound(answer):
+    grid = Nodes({5: 0, 6: answer})
+    if answer is None:
+        grid.nodes[6] = 0
+        grid.drop_key = 6
+    sampler = PartitionSampler(2)
+    sampler.ask(grid, [5, 6])
+    assert sampler.partition_of == {5: 0}
 
 
 def test_a_missing_node_is_waited_for_then_counted_as_not_replying(clock):
@@ -104,7 +153,9 @@ def test_a_missing_node_is_waited_for_then_counted_as_not_replying(clock):
     assert drawn == 2 and [grid.nodes[n] for n in nodes] == [p for p in partitions if p != 2]
 
 
-def test_replies_teach_the_partition_of_a_node():
+def test_replies_do_not_teach_the_partition_of_a_node():
+    # Only the answers before training bind a node; a train reply of an unbound node
+    # is dropped and teaches nothing.
     strategy = PersonalizedFedAvg(shared_keys=["w"], num_partitions=2, fraction_train=0.5)
     strategy.broadcast = {"w": np.zeros(2, np.float32)}
     for node, partition in ((40, 0), (41, 1)):
@@ -114,12 +165,13 @@ def test_replies_teach_the_partition_of_a_node():
             reply_to=Message(RecordDict(), dst_node_id=node,
                              message_type=MessageType.TRAIN))
         reply.metadata.__dict__["_src_node_id"] = node
-        assert strategy.check_reply(reply) is None
-    assert strategy.sampler.partition_of == {40: 0, 41: 1}
+        assert "bound to no partition" in strategy.check_reply(reply)
+    assert strategy.sampler.partition_of == {}
     grid = Nodes({40: 0, 41: 1})
     messages = strategy.configure_train(2, to_record({"w": np.zeros(2, np.float32)}),
                                         ConfigRecord(), grid)
-    assert grid.queried == [] and len(messages) == 1 and strategy.sampled == 1
+    assert sorted(grid.queried) == [40, 41] and len(messages) == 1
+    assert strategy.sampler.partition_of == {40: 0, 41: 1}
 
 
 def test_fedspc_divides_by_the_runs_clients_not_by_the_connected_nodes():

@@ -35,10 +35,11 @@ pytestmark = pytest.mark.usefixtures("task_identity")
 
 class FakeGrid:
     """Just enough of a Grid for ``configure_train``: the connected node ids; node n
-    holds partition n - 1 and says so when asked."""
+    holds partition n - 1 (or ``partitions[n]``) and says so when asked."""
 
-    def __init__(self, node_ids):
+    def __init__(self, node_ids, partitions=None):
         self.node_ids = list(node_ids)
+        self.partitions = partitions or {node: node - 1 for node in self.node_ids}
 
     def get_node_ids(self):
         return list(self.node_ids)
@@ -48,7 +49,8 @@ class FakeGrid:
         for message in messages:
             message.metadata.__dict__["_message_id"] = f"q{message.metadata.dst_node_id}"
             replies.append(Message(RecordDict({"metrics": MetricRecord(
-                {"partition-id": message.metadata.dst_node_id - 1})}), reply_to=message))
+                {"partition-id": self.partitions[message.metadata.dst_node_id]})}),
+                reply_to=message))
         return replies
 
 
@@ -67,15 +69,30 @@ def instruction(node: int) -> Message:
     return message
 
 
+def from_node(message: Message, node: int) -> Message:
+    """``message`` as the reply of ``node`` (the source a SuperLink would set)."""
+    message.metadata.__dict__["_src_node_id"] = node
+    return message
+
+
 def reply(arrays: dict, node: int = 1, extra_records: dict | None = None,
           **metrics) -> Message:
-    """A train reply carrying ``arrays`` and the MetricRecord ``metrics`` (partition
-    ``node - 1`` unless given)."""
+    """A train reply of ``node`` carrying ``arrays`` and the MetricRecord ``metrics``
+    (partition ``node - 1`` unless given)."""
     metrics.setdefault("partition-id", node - 1)
     content = RecordDict({"arrays": record(arrays), "metrics": MetricRecord(metrics)})
     for key, value in (extra_records or {}).items():
         content[key] = value
-    return Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN)
+    return from_node(Message(content=content, dst_node_id=0,
+                             message_type=MessageType.TRAIN), node)
+
+
+def bound(server, nodes=range(1, 11)):
+    """``server`` with each node n bound to partition n - 1 (as its answer to the
+    partition query before round 1 would bind it)."""
+    for node in nodes:
+        assert server.sampler.bind(node, node - 1) is None
+    return server
 
 
 def error_reply(node: int = 9, reason: str = "boom") -> Message:
@@ -86,8 +103,8 @@ def eval_reply(partition_id: int, correct: int, n: int, loss_sum: float,
                node: int = 1, **extra) -> Message:
     metrics = MetricRecord({"partition-id": partition_id, "correct": correct,
                             "num-examples": n, "loss-sum": loss_sum, **extra})
-    return Message(content=RecordDict({"metrics": metrics}), dst_node_id=node,
-                   message_type=MessageType.EVALUATE)
+    return from_node(Message(content=RecordDict({"metrics": metrics}), dst_node_id=0,
+                             message_type=MessageType.EVALUATE), node)
 
 
 def f32(*values) -> np.ndarray:
@@ -334,13 +351,43 @@ def test_accepted_replies_are_what_the_next_messages_tell_the_clients():
         [3, 0, 0]
 
 
-def test_a_second_reply_for_one_partition_is_dropped():
+def test_a_second_reply_of_one_node_is_dropped():
     server = strategy()
     _, metrics = server.aggregate_train(1, [
         reply(GOOD_A, node=1, **{"num-examples": 5}),
-        reply(GOOD_B, node=2, **{"num-examples": 5, "partition-id": 0})])
+        reply(GOOD_B, node=1, **{"num-examples": 5})])
     assert metrics["clients"] == 1
     assert "a second reply for partition 0" in server.report.reasons[0]
+
+
+@pytest.mark.parametrize("liar_first", [True, False], ids=["liar-first", "liar-last"])
+def test_a_node_cannot_reply_for_another_nodes_partition(liar_first):
+    # Node 4 holds partition 3 and node 9 partition 8 (their answers before round 1);
+    # node 9 claims partition 3, before or after node 4's reply.
+    server = PersonalizedFedAvg(shared_keys=list(SHARED), num_partitions=10)
+    server.configure_train(1, record(SHARED), ConfigRecord(), FakeGrid(range(1, 11)))
+    honest = reply(GOOD_A, node=4, **{"num-examples": 5})
+    liar = reply(GOOD_B, node=9, **{"num-examples": 5, "partition-id": 3})
+    replies = [liar, honest] if liar_first else [honest, liar]
+
+    arrays, metrics = server.aggregate_train(1, replies)
+
+    assert metrics["clients"] == 1 and list(metrics["train-client-ids"]) == [3]
+    np.testing.assert_array_equal(arrays_of(arrays)[W], GOOD_A[W])  # the honest reply
+    assert server.report.reasons[0] == \
+        "node 9: node 9 is bound to partition 8, its reply claims 3"
+    assert server.accepted_rounds[3] == 1 and server.accepted_rounds[8] == 0
+    # ... and its evaluation reply likewise.
+    result = server.aggregate_evaluate(1, [eval_reply(3, 9, 10, 1.0, node=9),
+                                           eval_reply(3, 5, 10, 1.0, node=4)])
+    assert result["clients"] == 1 and result["accuracy"] == pytest.approx(0.5)
+    assert server.report.evaluate_dropped == 1
+
+
+def test_a_node_bound_to_no_partition_is_not_heard():
+    server = strategy()  # nodes 1 and 2 are bound
+    assert "node 7 is bound to no partition" in server.check_reply(
+        reply(GOOD_A, node=7, **{"num-examples": 5}))
 
 
 def test_aggregates_do_not_depend_on_the_order_replies_arrive_in():
@@ -348,12 +395,12 @@ def test_aggregates_do_not_depend_on_the_order_replies_arrive_in():
     same seed gives bit-identical runs however the replies arrive."""
     rng = np.random.default_rng(0)
     n = 6
-    values = [rng.standard_normal(64).astype(np.float32) * 10.0 ** rng.integers(-6, 6)
+    values = [(rng.standard_normal(64) * 10.0 ** rng.integers(-6, 6)).astype(np.float32)
               for _ in range(n)]
     finals = [{WK: v, BN: np.array(1, dtype=np.int64)} for v in values]
 
     def play(order):
-        server = fedspc()
+        server = fedspc(num_partitions=n)
         server.configure_train(1, record({WK: np.zeros(64, np.float32),
                                           BN: np.array(0, dtype=np.int64)}),
                                ConfigRecord(), FakeGrid(list(range(1, n + 1))))
@@ -386,8 +433,8 @@ def test_configure_train_refuses_arrays_other_than_the_shared_keys(arrays):
 
 def test_configure_train_messages_carry_only_the_shared_keys():
     # Prepare
-    server = PersonalizedFedAvg(shared_keys=list(SHARED))
-    grid = FakeGrid([11, 12, 13])
+    server = PersonalizedFedAvg(shared_keys=list(SHARED), num_partitions=3)
+    grid = FakeGrid([11, 12, 13], {11: 0, 12: 1, 13: 2})
 
     # Execute
     messages = list(server.configure_train(2, record(SHARED), ConfigRecord({"lr": 0.1}),
@@ -408,7 +455,7 @@ def test_configure_train_messages_carry_only_the_shared_keys():
 
 def test_aggregate_evaluate_personalized_and_weighted_accuracy():
     # Prepare: partition ids out of order, very different test-set sizes
-    server = PersonalizedFedAvg(shared_keys=[W], num_partitions=3)
+    server = bound(PersonalizedFedAvg(shared_keys=[W], num_partitions=3), [1, 2, 3])
     replies = [
         eval_reply(partition_id=2, correct=9, n=10, loss_sum=3.0, node=3),
         error_reply(node=7, reason="eval broke"),
@@ -445,13 +492,13 @@ def test_a_bad_evaluation_reply_is_dropped_and_counted(metrics, reason):
     bad = Message(content=RecordDict({"metrics": MetricRecord(metrics)}), dst_node_id=2,
                   message_type=MessageType.EVALUATE)
     assert reason in server.check_evaluation(bad)
-    result = server.aggregate_evaluate(2, [eval_reply(1, 5, 10, 2.0), bad])
+    result = server.aggregate_evaluate(2, [eval_reply(1, 5, 10, 2.0, node=2), bad])
     assert result["clients"] == 1 and result["accuracy"] == pytest.approx(0.5)
     assert server.report.evaluate_dropped == 1
 
 
 def test_the_global_model_accuracy_is_averaged_per_client_in_partition_order():
-    server = PersonalizedFedAvg(shared_keys=[W], num_partitions=3)
+    server = bound(PersonalizedFedAvg(shared_keys=[W], num_partitions=3), [1, 2, 3])
     replies = [eval_reply(2, 9, 10, 3.0, node=3, **{"global-correct": 2, "global-examples": 10}),
                eval_reply(0, 1, 4, 8.0, node=1, **{"global-correct": 3, "global-examples": 4}),
                eval_reply(1, 30, 40, 16.0, node=2, **{"global-correct": 10, "global-examples": 40})]
@@ -461,19 +508,28 @@ def test_the_global_model_accuracy_is_averaged_per_client_in_partition_order():
     assert result["accuracy"] == pytest.approx((0.25 + 0.75 + 0.9) / 3)  # the personal models
 
 
-@pytest.mark.parametrize("extra", [
-    {},  # one client does not report it
-    {"global-correct": 11, "global-examples": 10},
-    {"global-correct": 1.5, "global-examples": 10},
-    {"global-correct": 0, "global-examples": 0},
-])
-def test_the_global_model_accuracy_needs_every_client_and_valid_counts(extra):
-    server = PersonalizedFedAvg(shared_keys=[W], num_partitions=2)
+def test_the_global_model_accuracy_needs_every_client():
+    server = bound(PersonalizedFedAvg(shared_keys=[W], num_partitions=2), [1, 2])
     replies = [eval_reply(0, 5, 10, 2.0, node=1, **{"global-correct": 4, "global-examples": 10}),
-               eval_reply(1, 5, 10, 2.0, node=2, **extra)]
+               eval_reply(1, 5, 10, 2.0, node=2)]  # one client does not report it
     result = server.aggregate_evaluate(1, replies)
     assert result["clients"] == 2
     assert "global-accuracy" not in result and "client-global-accuracy" not in result
+
+
+@pytest.mark.parametrize("extra", [
+    {"global-correct": 11, "global-examples": 10},
+    {"global-correct": 1.5, "global-examples": 10},
+    {"global-correct": 0, "global-examples": 0},
+    {"global-examples": 10},  # a count without its pair
+])
+def test_a_reply_with_invalid_global_model_counts_is_dropped(extra):
+    server = bound(PersonalizedFedAvg(shared_keys=[W], num_partitions=2), [1, 2])
+    bad = eval_reply(1, 5, 10, 2.0, node=2, **extra)
+    assert "'global-" in server.check_evaluation(bad)
+    result = server.aggregate_evaluate(1, [
+        eval_reply(0, 5, 10, 2.0, node=1, **{"global-correct": 4, "global-examples": 10}), bad])
+    assert result["clients"] == 1 and result["global-accuracy"] == pytest.approx(0.4)
 
 
 def test_aggregate_evaluate_with_only_errors_returns_none():
@@ -776,8 +832,10 @@ def test_reply_without_positive_shared_steps_is_dropped(upload, steps):
     theta = {WK: f32(1.0, 1.0), BN: np.array(0, dtype=np.int64)}
     server.configure_train(1, record(theta), ConfigRecord(), FakeGrid([1, 2]))
     good_change = {WK: f32(-2.0, 4.0)}  # = -0 - [0.2, -0.4] / (1 * 0.1)
-    good = spc_reply([1.2, 0.6], 2, 1, node=1, change=good_change)
-    bad = spc_reply([5.0, 5.0], 8, steps, node=2, change={WK: f32(3.0, 3.0)})
+    explicit = upload == "explicit"  # a reference change goes only where asked for
+    good = spc_reply([1.2, 0.6], 2, 1, node=1, change=good_change if explicit else None)
+    bad = spc_reply([5.0, 5.0], 8, steps, node=2,
+                    change={WK: f32(3.0, 3.0)} if explicit else None)
 
     # Execute
     arrays, metrics = server.aggregate_train(1, [bad, good])
@@ -809,9 +867,10 @@ def test_fedspc_error_reply_is_dropped():
 
 
 def test_fedspc_evaluation_is_delegated():
-    server = FedSPC(shared_keys=[WK, BN], corrected_keys=[WK], learning_rate=ETA)
-    result = server.aggregate_evaluate(2, [eval_reply(0, 3, 4, 1.0),
-                                           eval_reply(1, 1, 4, 3.0)])
+    server = bound(FedSPC(shared_keys=[WK, BN], corrected_keys=[WK], learning_rate=ETA),
+                   [1, 2])
+    result = server.aggregate_evaluate(2, [eval_reply(0, 3, 4, 1.0, node=1),
+                                           eval_reply(1, 1, 4, 3.0, node=2)])
     assert result["accuracy"] == pytest.approx(0.5)
     assert result["loss"] == pytest.approx(0.5)
 

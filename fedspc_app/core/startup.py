@@ -11,7 +11,6 @@ clock (a simulation, one machine).
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable
 
@@ -24,6 +23,7 @@ from fedspc_app.core.protocol import (
     PROCESS_STARTED_AT,
 )
 from fedspc_app.core.records import reply_metrics
+from fedspc_app.core.replies import STARTUP
 
 # In a phase that met new ClientApp processes (a simulation's round 1): seconds from
 # sending its messages until the last new process had started, and until the last
@@ -84,16 +84,15 @@ def worker_startup(replies: Iterable[Message], sent_at: float) -> dict[str, floa
     started, ready, imports, imported = [], [], [], []
     for reply in replies:
         metrics = reply_metrics(reply)
-        handler = None if metrics is None else metrics.get(HANDLER_STARTED_AT)
-        if not isinstance(handler, float) or not math.isfinite(handler):
+        # Each time as the reply schema reads it (None: absent or not a valid epoch).
+        handler, process, began, done = (STARTUP[key].read(metrics) for key in (
+            HANDLER_STARTED_AT, PROCESS_STARTED_AT, APP_IMPORT_STARTED_AT, APP_IMPORTED_AT))
+        if handler is None:
             continue
         ready.append(max(0.0, handler - sent_at))
-        process = metrics.get(PROCESS_STARTED_AT)
-        if isinstance(process, float) and math.isfinite(process):
+        if process is not None:
             started.append(max(0.0, process - sent_at))
-        began, done = metrics.get(APP_IMPORT_STARTED_AT), metrics.get(APP_IMPORTED_AT)
-        if (isinstance(began, float) and isinstance(done, float)
-                and math.isfinite(done - began)):
+        if began is not None and done is not None:
             imports.append(max(0.0, done - began))
             imported.append(max(0.0, done - sent_at))
     out = {}

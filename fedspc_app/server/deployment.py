@@ -27,6 +27,7 @@ from fedspc_app.core.protocol import (
     QUERY,
     RUN_NAME,
 )
+from fedspc_app.core.replies import one_line, partition_report_schema
 from fedspc_app.data.datasets import ImageDataset
 from fedspc_app.data.partition import partition_summary
 from fedspc_app.data.run_data import KNOWN_SHAPES, DatasetShape, dataset_shape, load_run_dataset
@@ -69,20 +70,24 @@ def server_dataset(config: RunConfig, deployment: bool
 
 
 def preflight(grid: Grid, config: RunConfig, num_clients: int, shape: DatasetShape,
-              timeout: float = PREFLIGHT_TIMEOUT) -> dict:
-    """Ask every connected SuperNode to load its partition; return the partition they report.
+              timeout: float = PREFLIGHT_TIMEOUT) -> tuple[dict, dict[int, int]]:
+    """Ask every connected SuperNode to load its partition; return the partition they
+    report, and each node's partition id (the node is bound to it for the run).
 
     Raises
     ------
     FedSPCError
-        Naming every problem: a node that failed (its error), no reply, two nodes
-        with one partition id, a partition id nobody has, or counts that do not fit
-        the dataset.
+        Naming every problem: a node that failed (its error), no reply, a report
+        that is not the schema's (:func:`fedspc_app.core.replies.partition_report_schema`),
+        two nodes with one partition id, a partition id nobody has, or counts that
+        do not fit the dataset.
 
     Returns
     -------
     dict
         Like :meth:`fedspc_app.data.partition.Partition.to_dict`, from the replies.
+    dict[int, int]
+        Node id -> the partition id it reported.
     """
     node_ids = sorted(grid.get_node_ids())
     messages = [
@@ -95,6 +100,7 @@ def preflight(grid: Grid, config: RunConfig, num_clients: int, shape: DatasetSha
     log(INFO, "Checking the %d connected SuperNodes (each loads its partition)...",
         len(node_ids))
     replies = list(grid.send_and_receive(messages, timeout=timeout))
+    schema = partition_report_schema(num_clients, shape.num_classes)
     problems: list[str] = []
     rows: dict[int, tuple[int, Mapping]] = {}
     answered = set()
@@ -104,16 +110,19 @@ def preflight(grid: Grid, config: RunConfig, num_clients: int, shape: DatasetSha
         if reply.has_error():
             problems.append(f"node {node}: {reply.error.reason}")
             continue
+        reason = schema.check(reply)
+        if reason is not None:
+            counts = reply.content.metric_records.get(METRICS, {}).get("train-counts")
+            if isinstance(counts, list) and len(counts) != shape.num_classes:
+                reason = (f"it reports {len(counts)} classes, the {config.dataset} model "
+                          f"has {shape.num_classes}")
+            problems.append(f"node {node}: {one_line(reason)}")
+            continue
         report = reply.content.metric_records[METRICS]
-        partition_id = int(report["partition-id"])
+        partition_id = report["partition-id"]
         if partition_id in rows:
             problems.append(f"nodes {rows[partition_id][0]} and {node} both have "
                             f"partition-id={partition_id}")
-            continue
-        counts = (list(report["train-counts"]), list(report["test-counts"]))
-        if any(len(c) != shape.num_classes for c in counts):
-            problems.append(f"node {node} reports {len(counts[0])} classes, the "
-                            f"{config.dataset} model has {shape.num_classes}")
             continue
         rows[partition_id] = (node, report)
     silent = sorted(set(node_ids) - answered)
@@ -138,4 +147,5 @@ def preflight(grid: Grid, config: RunConfig, num_clients: int, shape: DatasetSha
         test_counts=[list(rows[k][1]["test-counts"]) for k in range(num_clients)],
         held_out=config.held_out_clients,
     )
-    return {**summary, "source": "reported by the SuperNodes"}
+    nodes = {node: partition_id for partition_id, (node, _) in rows.items()}
+    return {**summary, "source": "reported by the SuperNodes"}, nodes

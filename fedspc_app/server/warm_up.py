@@ -13,7 +13,7 @@ the preflight check (:mod:`fedspc_app.server.deployment`) loads their data inste
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from logging import INFO, WARNING
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
@@ -31,6 +31,9 @@ class WarmUp:
     waiting: set[str]
     sent_at: float  # wall clock, as the replies' process timings
     started: float  # monotonic
+    # The replies, once finished: each names its node's partition (the strategy binds
+    # the nodes to them before round 1, see strategies.sampling).
+    answers: list[Message] = field(default_factory=list)
 
 
 def start(grid: Grid, num_clients: int) -> WarmUp:
@@ -61,6 +64,7 @@ def finish(grid: Grid, warm_up: WarmUp, timeout: float) -> dict[str, float]:
         warm_up.waiting.difference_update(m.metadata.reply_to_message_id for m in pulled)
         if warm_up.waiting:
             time.sleep(0.05)
+    warm_up.answers = replies
     failed = [reply for reply in replies if reply.has_error()]
     if failed:
         log(WARNING, "%d client(s) failed to warm up (round 1 will retry): %s",
