@@ -391,8 +391,27 @@ class PersonalizedFedAvg(FedAvg):
                 log(WARNING, "configure_evaluate: %d of %d held-out clients connected",
                     len(nodes), count)
             held = ConfigRecord({**config, HELD_OUT: True, SERVER_ROUND: server_round})
-            record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: held})
-            messages += list(self._construct_messages(record, nodes, MessageType.EVALUATE))
+            messages += self._addressed(arrays, held, nodes, MessageType.EVALUATE)
+        return messages
+
+    def _addressed(self, arrays: ArrayRecord, config: ConfigRecord, nodes: Sequence[int],
+                   kind: str) -> list[Message]:
+        """One message per node. Under differential privacy each node's
+        ``accepted-rounds`` holds its own partition's entry only (the others 0): who
+        took part in a round is what the sampling's amplification keeps secret, and
+        a client needs no more than its own entry to settle its staged state."""
+        if self.privacy is None:
+            record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
+            return list(self._construct_messages(record, nodes, kind))
+        messages = []
+        for node in nodes:
+            own = [0] * self.num_partitions
+            partition = self.sampler.partition_of.get(node)
+            if partition is not None:
+                own[partition] = self.accepted_rounds[partition]
+            record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key:
+                                 ConfigRecord({**config, ACCEPTED_ROUNDS: own})})
+            messages += self._construct_messages(record, [node], kind)
         return messages
 
     def _messages(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -403,8 +422,7 @@ class PersonalizedFedAvg(FedAvg):
             self.num_training,
             f" ({drawn - len(nodes)} not connected)" if len(nodes) < drawn else "")
         config[SERVER_ROUND] = server_round
-        record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
-        return list(self._construct_messages(record, nodes, kind)), drawn
+        return self._addressed(arrays, config, nodes, kind), drawn
 
     def reply_schema(self) -> ReplySchema:
         """What a train reply of this round must hold (:mod:`fedspc_app.core.replies`):
@@ -477,11 +495,14 @@ class PersonalizedFedAvg(FedAvg):
             if reason is None:
                 accepted.append(message)
             else:
-                node = message.metadata.src_node_id
+                # Under differential privacy the log and metrics.json do not say whose
+                # reply it was: who was drawn stays the server's.
+                who = ("a drawn client" if self.privacy is not None
+                       else f"node {message.metadata.src_node_id}")
                 reason = one_line(reason)
-                report.reasons.append(f"node {node}: {reason}")
-                log(WARNING, "round %d: dropped the reply of node %d: %s", server_round,
-                    node, reason)
+                report.reasons.append(f"{who}: {reason}")
+                log(WARNING, "round %d: dropped the reply of %s: %s", server_round, who,
+                    reason)
         if sampled > len(replies):
             report.reasons.append(f"{sampled - len(replies)} sampled client(s) did not "
                                   "reply within the round timeout")
@@ -567,15 +588,23 @@ class PersonalizedFedAvg(FedAvg):
             # Rounds each client has completed, as its persisted state says.
             "min-rounds-trained": int(min((int(m.get(ROUNDS_TRAINED, 0)) for m in metrics),
                                           default=0)),
-            "train-client-ids": [int(m[PARTITION_ID]) for m in metrics],
             **summed_timings(metrics),
             **drift,
             **robust,
-            **accuracy_before_aggregation(metrics),
+            **self.participants(metrics),
             **({ROUND_LEARNING_RATE: self.learning_rate_of(server_round)}
                if self.learning_rates is not None else {}),
         })
         return to_record(arrays), summary
+
+    def participants(self, metrics: Sequence[MetricRecord]) -> dict[str, float | list]:
+        """The round's clients (``train-client-ids``) and each one's accuracy before
+        aggregation; under differential privacy neither (who was drawn is secret), only
+        the mean accuracy before aggregation."""
+        before = accuracy_before_aggregation(metrics)
+        if self.privacy is not None:
+            return {k: v for k, v in before.items() if not k.startswith("client-")}
+        return {"train-client-ids": [int(m[PARTITION_ID]) for m in metrics], **before}
 
     def private_mean(self, server_round: int, updates: Sequence[ArrayDict],
                      keys: Sequence[str]) -> ArrayDict:

@@ -321,3 +321,44 @@ def test_results_made_with_public_noise_say_so():
     for name in ("cpu-cifar100-cnn-dp", "cpu-cifar100-cnn-dp-noise"):
         text = (results / name / "README.md").read_text()
         assert "public noise" in text, name
+
+
+def test_under_privacy_no_client_and_no_result_names_who_took_part(tmp_path):
+    """The sampling's amplification assumes the draws are secret: under privacy each
+    message carries its own client's accepted round only, and neither metrics.json nor
+    the reasons name the clients of a round. Without privacy both are there."""
+    dp = {"num-rounds": 3, "dp-clipping-norm": CLIP, "dp-noise-multiplier": 0.001,
+          "fraction-train": 0.67, "evaluate-before-aggregation": True}
+    grid, rounds = run(tmp_path, "private", **dp)
+    node_partition = {node: pid for pid, node in enumerate(grid.node_ids)}
+    trained = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
+    assert trained
+    for message in grid.sent:
+        config = message.content.config_records["config"]
+        accepted = list(config["accepted-rounds"])
+        own = node_partition[message.metadata.dst_node_id]
+        assert all(value == 0 for pid, value in enumerate(accepted) if pid != own)
+    assert any(list(m.content.config_records["config"]["accepted-rounds"])
+               [node_partition[m.metadata.dst_node_id]] > 0 for m in grid.sent)
+    for row in rounds:
+        assert "train-client-ids" not in row
+        assert "client-accuracy-before-aggregation" not in row
+        assert "accuracy-before-aggregation" in row
+    _, plain = run(tmp_path, "plain", **{"num-rounds": 2, "evaluate-before-aggregation": True})
+    assert "client-accuracy-before-aggregation" in plain[1]
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_under_privacy_a_dropped_reply_does_not_say_whose_it_was():
+    reasons = {}
+    for private in (True, False):
+        server = (private_server(1.0, 4, 0.0) if private else
+                  PersonalizedFedAvg(shared_keys=[W], num_partitions=4, drift_keys=[W]))
+        server.configure_train(1, record({W: f32(0.0, 0.0)}), ConfigRecord(),
+                               FakeGrid([1, 2, 3, 4]))
+        good = reply({W: f32(0.1, 0.1)}, node=1, **{"num-examples": 5})
+        bad = reply({W: f32(0.1, 0.1)}, node=2, **{"num-examples": 0})
+        server.aggregate_train(1, [good, bad])
+        reasons[private] = server.report.reasons[0]
+    assert reasons[True].startswith("a drawn client: ") and "node" not in reasons[True]
+    assert reasons[False].startswith("node 2: ")
