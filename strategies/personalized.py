@@ -495,11 +495,12 @@ class PersonalizedFedAvg(FedAvg):
             if reason is None:
                 accepted.append(message)
             else:
-                # Under differential privacy the log and metrics.json do not say whose
-                # reply it was: who was drawn stays the server's.
-                who = ("a drawn client" if self.privacy is not None
-                       else f"node {message.metadata.src_node_id}")
-                reason = one_line(reason)
+                # Under differential privacy the log and metrics.json say neither whose
+                # reply it was nor why (a client's error text, or a count its partition
+                # implies, can name it): who was drawn stays the server's.
+                who, reason = ((f"node {message.metadata.src_node_id}", one_line(reason))
+                               if self.privacy is None else
+                               ("a drawn client", "withheld under differential privacy"))
                 report.reasons.append(f"{who}: {reason}")
                 log(WARNING, "round %d: dropped the reply of %s: %s", server_round, who,
                     reason)
@@ -583,12 +584,6 @@ class PersonalizedFedAvg(FedAvg):
         summary = MetricRecord({
             "clients": len(accepted),
             TRAIN_LOSS: float(np.mean(losses)) if losses else float("nan"),
-            NUM_EXAMPLES: int(sum(int(m[NUM_EXAMPLES]) for m in metrics)),
-            EXAMPLES_SEEN: int(sum(int(m.get(EXAMPLES_SEEN, 0)) for m in metrics)),
-            # Rounds each client has completed, as its persisted state says.
-            "min-rounds-trained": int(min((int(m.get(ROUNDS_TRAINED, 0)) for m in metrics),
-                                          default=0)),
-            **summed_timings(metrics),
             **drift,
             **robust,
             **self.participants(metrics),
@@ -598,13 +593,27 @@ class PersonalizedFedAvg(FedAvg):
         return to_record(arrays), summary
 
     def participants(self, metrics: Sequence[MetricRecord]) -> dict[str, float | list]:
-        """The round's clients (``train-client-ids``) and each one's accuracy before
-        aggregation; under differential privacy neither (who was drawn is secret), only
-        the mean accuracy before aggregation."""
+        """What the round's summary says of its clients: who they were
+        (``train-client-ids``), their images and steps, the fewest rounds any has
+        trained, their timings and each one's accuracy before aggregation.
+
+        Under differential privacy only the mean accuracy before aggregation: who was
+        drawn is what the sampling's amplification keeps secret, and each of the others
+        is a sum of public per-client figures (a partition's size fixes its images and
+        steps) from which the draw can be solved, or names its clients."""
         before = accuracy_before_aggregation(metrics)
         if self.privacy is not None:
             return {k: v for k, v in before.items() if not k.startswith("client-")}
-        return {"train-client-ids": [int(m[PARTITION_ID]) for m in metrics], **before}
+        return {
+            "train-client-ids": [int(m[PARTITION_ID]) for m in metrics],
+            NUM_EXAMPLES: int(sum(int(m[NUM_EXAMPLES]) for m in metrics)),
+            EXAMPLES_SEEN: int(sum(int(m.get(EXAMPLES_SEEN, 0)) for m in metrics)),
+            # Rounds each client has completed, as its persisted state says.
+            "min-rounds-trained": int(min((int(m.get(ROUNDS_TRAINED, 0)) for m in metrics),
+                                          default=0)),
+            **summed_timings(metrics),
+            **before,
+        }
 
     def private_mean(self, server_round: int, updates: Sequence[ArrayDict],
                      keys: Sequence[str]) -> ArrayDict:

@@ -319,9 +319,10 @@ class RunRecorder:
         if train is not None:
             row["train-loss"] = _clean(float(train.get("train-loss", float("nan"))))
             row["train-clients"] = int(train.get("clients", 0))
-            row["train-images"] = int(train.get("examples-seen", 0))
-            row["min-rounds-trained"] = int(train.get("min-rounds-trained", 0))
-            row["images-per-second"] = round(row["train-images"] / max(seconds, 1e-9), 1)
+            if "examples-seen" in train:  # (not under differential privacy)
+                row["train-images"] = int(train["examples-seen"])
+                row["min-rounds-trained"] = int(train.get("min-rounds-trained", 0))
+                row["images-per-second"] = round(row["train-images"] / max(seconds, 1e-9), 1)
             row.update(_timings("train", train))
             for key in DRIFT_COLUMNS:
                 if key in train:
