@@ -14,10 +14,16 @@ the lie.
 
 effect = ||theta_attacked - theta_clean|| after the last round; the ratio is FedSPC's
 effect over the effect without FedSPC; ``u_bar`` is the attacked run's ||u_bar|| over
-the clean run's, each the mean over the second half of the rounds.
+the clean run's, each the mean over the second half of the rounds. Each figure is the
+mean over the seeds (0-4: the problem, the noise and the sampler's seed), the ratio
+the ratio of those means. The server checks each client's E_k, as the ServerApp does;
+the row "small-steps, E_k unchecked" does not. The row "honest, other noise" is no
+attack: the liar trains honestly with another draw of its gradient noise, the effect
+of a legitimate change in one client's reply.
 
     python scripts/attack_table.py
-    python scripts/attack_table.py --reference increment --rules median
+    python scripts/attack_table.py --norm-bound median
+    python scripts/attack_table.py --reference increment --rules median --seeds 0
 """
 
 from __future__ import annotations
@@ -167,7 +173,8 @@ class Row:
 
     @property
     def ratio(self) -> float:
-        return self.with_fedspc / self.without if self.without > 0 else float("inf")
+        # Below 1e-6 the effect is float rounding (Krum never selecting the liar).
+        return self.with_fedspc / self.without if self.without > 1e-6 else float("inf")
 
 
 @dataclass(frozen=True)
