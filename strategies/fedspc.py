@@ -45,7 +45,7 @@ post-processing of what is released (the clients' u_k follow Algorithm 1).
 
 With ``robust-norm-bound = "median"`` a robust rule first scales each update to at
 most the round's median update norm (:meth:`AggregationRule.bound_factors`), and the
-server derives that client's reference change from the bounded update, so θ_s and the
+server derives that client's reference change from the bounded update, so theta_s and the
 tracked u_k follow the same reply (:meth:`FedSPC.reference_change_of`).
 
 SCAFFOLD is this strategy with every parameter shared.
