@@ -165,6 +165,14 @@ class AggregationRule:
         bound = float(np.median(norms))
         return [bound / norm if norm > bound else 1.0 for norm in norms]
 
+    def bound_norms(self, updates: Sequence[ArrayDict], origin: ArrayDict | None,
+                    keys: Sequence[str]) -> tuple[list[float], list[ArrayDict]]:
+        """:meth:`bound_factors` and the updates they bound (:func:`bounded`)."""
+        factors = self.bound_factors(updates, origin, keys)
+        if all(factor == 1.0 for factor in factors):
+            return factors, list(updates)
+        return factors, bounded(updates, origin, keys, factors)
+
     def krum_count(self, count: int) -> int:
         """How many of ``count`` updates Krum (1) or Multi-Krum (m, or n − f) keeps."""
         chosen = 1 if self.name == "krum" else (self.krum_select or count - self.byzantine)

@@ -66,7 +66,7 @@ from fedspc_app.core.protocol import (
     TRAIN_LOSS,
 )
 from fedspc_app.core.records import ArrayDict, from_record, to_record
-from strategies.aggregation import AggregationRule, bounded, mean_arrays
+from strategies.aggregation import AggregationRule, mean_arrays
 from strategies.drift import drift_statistics
 from strategies.sampling import PartitionSampler
 from strategies.server_optimizer import ServerOptimizer
@@ -548,8 +548,7 @@ class PersonalizedFedAvg(FedAvg):
             arrays = self.private_mean(server_round, updates, keys)
         elif self.rule.robust:
             # Each update's norm bounded first (robust-norm-bound; factors of 1 if not).
-            self.norm_factors = self.rule.bound_factors(updates, self.broadcast, keys)
-            ruled = bounded(updates, self.broadcast, keys, self.norm_factors)
+            self.norm_factors, ruled = self.rule.bound_norms(updates, self.broadcast, keys)
             self.selected = self.rule.selected(ruled, keys)
             arrays = self.rule.combine([ruled[i] for i in self.selected],
                                        [weights[i] for i in self.selected])
