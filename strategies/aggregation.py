@@ -17,6 +17,15 @@ clients among the n accepted replies can do to the aggregate:
   al., 2017); ``multi-krum``: the mean of the m updates Krum scores best (Flower's
   :func:`select_multikrum`, on copies of the updates).
 
+Under a robust rule ``robust-norm-bound = "median"`` first scales each client's
+update of the shared trainable parameters to at most the median of the round's
+update norms (norm bounding, Sun et al., 2019, "Can you really backdoor federated
+learning?", with the bound taken from the round's own replies: fewer than half of
+them cannot raise it): :meth:`AggregationRule.bound_factors`, :func:`bounded`. A
+few clients sending scaled-up updates then send, to the rule, updates of an honest
+norm; the rule then deals with their direction. The mean and the weighted mean never
+bound (Algorithm 1).
+
 Krum scores the clients by their updates of the shared trainable parameters;
 the selected clients' whole shared blocks are then averaged. The coordinate rules
 apply to every floating-point shared entry (BatchNorm statistics too); integer
@@ -37,12 +46,12 @@ from flwr.app import Array, ArrayRecord, RecordDict
 from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
 from flwr.serverapp.strategy.multikrum import select_multikrum
 
-from fedspc_app.core.config import AGGREGATIONS
+from fedspc_app.core.config import AGGREGATIONS, NORM_BOUNDS
 from fedspc_app.core.config import ROBUST_AGGREGATIONS as ROBUST
 from fedspc_app.core.records import ArrayDict
 
-__all__ = ["AGGREGATIONS", "ROBUST", "AggregationRule", "krum_choice", "mean_arrays",
-           "robust_reference_sum", "trimmed_mean"]
+__all__ = ["AGGREGATIONS", "NORM_BOUNDS", "ROBUST", "AggregationRule", "bounded",
+           "krum_choice", "mean_arrays", "robust_reference_sum", "trimmed_mean"]
 
 
 def mean_arrays(updates: Sequence[ArrayDict], weights: Sequence[float]) -> ArrayDict:
@@ -99,12 +108,16 @@ class AggregationRule:
         the fewest values ``trimmed-mean`` cuts at each end.
     krum_select : int (default: 0, meaning n − f)
         ``multi-krum``: how many of the best-scored updates are averaged.
+    norm_bound : {"none", "median"} (default: "none")
+        A robust rule's bound on each update's norm before the rule
+        (:meth:`bound_factors`); the mean and the weighted mean ignore it.
     """
 
     name: str = "mean"
     trim_fraction: float = 0.1
     byzantine: int = 0
     krum_select: int = 0
+    norm_bound: str = "none"
 
     def __post_init__(self) -> None:
         if self.name not in AGGREGATIONS:
@@ -113,6 +126,9 @@ class AggregationRule:
             raise ValueError(f"trim-fraction must be in [0, 0.5), got {self.trim_fraction}")
         if self.byzantine < 0 or self.krum_select < 0:
             raise ValueError("byzantine-clients and krum-select must be >= 0")
+        if self.norm_bound not in NORM_BOUNDS:
+            raise ValueError(f"norm bound must be one of {NORM_BOUNDS}, "
+                             f"got {self.norm_bound!r}")
 
     @property
     def robust(self) -> bool:
@@ -126,13 +142,42 @@ class AggregationRule:
 
     def shortfall(self, count: int) -> str | None:
         """Why ``count`` values are too few for this rule to bound f faulty ones, or
-        None. Only ``trimmed-mean`` refuses: it would have to cut every value."""
+        None: ``trimmed-mean`` would have to cut every value, and with n ≤ 2f the
+        ``median`` is the faulty clients' to set (half the values of an even n, or
+        all but fewer than half of an odd one, may be theirs)."""
         if self.name == "trimmed-mean" and count <= 2 * self.trim_count(count):
             return (f"trimmed-mean cuts byzantine-clients = {self.byzantine} values at "
                     f"each end and {count} accepted replies leave none; with n ≤ 2f "
                     "the faulty clients may be half the replies, which no coordinate "
                     "rule bounds")
+        if self.name == "median" and 0 < count <= 2 * self.byzantine:
+            return (f"{count} accepted replies with byzantine-clients = {self.byzantine}: "
+                    "with n ≤ 2f the faulty clients may be half the replies, and the "
+                    "median is then theirs to set")
         return None
+
+    def bound_factors(self, updates: Sequence[ArrayDict], origin: ArrayDict | None,
+                      keys: Sequence[str]) -> list[float]:
+        """The factor each update's change from ``origin`` over ``keys`` is scaled by
+        before the rule: 1, or under a robust rule with ``norm_bound = "median"``
+        min(1, m / ‖Δ_k‖), m the median of the updates' norms ‖Δ_k‖ (float64, over
+        every entry of ``keys``)."""
+        if (not self.robust or self.norm_bound == "none" or origin is None
+                or len(updates) < 2 or not keys):
+            return [1.0] * len(updates)
+        norms = [float(np.sqrt(sum(float(np.sum(np.square(
+            np.asarray(update[key], np.float64) - np.asarray(origin[key], np.float64))))
+            for key in keys))) for update in updates]
+        bound = float(np.median(norms))
+        return [bound / norm if norm > bound else 1.0 for norm in norms]
+
+    def bound_norms(self, updates: Sequence[ArrayDict], origin: ArrayDict | None,
+                    keys: Sequence[str]) -> tuple[list[float], list[ArrayDict]]:
+        """:meth:`bound_factors` and the updates they bound (:func:`bounded`)."""
+        factors = self.bound_factors(updates, origin, keys)
+        if all(factor == 1.0 for factor in factors):
+            return factors, list(updates)
+        return factors, bounded(updates, origin, keys, factors)
 
     def krum_count(self, count: int) -> int:
         """How many of ``count`` updates Krum (1) or Multi-Krum (m, or n − f) keeps."""
@@ -184,6 +229,24 @@ class AggregationRule:
                 return trim_mean(rows, self.trim_fraction)  # Flower's own, as before
             return trimmed_mean(rows, cut)
         return mean_arrays([{"rows": row} for row in rows], [1.0] * len(rows))["rows"]
+
+
+def bounded(updates: Sequence[ArrayDict], origin: ArrayDict, keys: Sequence[str],
+            factors: Sequence[float]) -> list[ArrayDict]:
+    """``origin + factor · (update − origin)`` over ``keys`` (float64, then the
+    update's dtype); other entries, and an update whose factor is 1, as they are."""
+    out = []
+    for update, factor in zip(updates, factors):
+        if factor == 1.0:
+            out.append(update)
+            continue
+        scaled = dict(update)
+        for key in keys:
+            start = np.asarray(origin[key], dtype=np.float64)
+            change = np.asarray(update[key], dtype=np.float64) - start
+            scaled[key] = (start + factor * change).astype(np.asarray(update[key]).dtype)
+        out.append(scaled)
+    return out
 
 
 def robust_reference_sum(rule: AggregationRule, changes: Sequence[ArrayDict],

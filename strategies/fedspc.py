@@ -43,6 +43,11 @@ changes ``-m u_bar - sum_k Delta theta_k / (E eta)`` is estimated as
 ``-qK u_bar - qK Delta~/(E eta)``, with the expected count qK (public) for m:
 post-processing of what is released (the clients' u_k follow Algorithm 1).
 
+With ``robust-norm-bound = "median"`` a robust rule first scales each update to at
+most the round's median update norm (:meth:`AggregationRule.bound_factors`), and the
+server derives that client's reference change from the bounded update, so theta_s and the
+tracked u_k follow the same reply (:meth:`FedSPC.reference_change_of`).
+
 SCAFFOLD is this strategy with every parameter shared.
 """
 
@@ -218,12 +223,22 @@ class FedSPC(PersonalizedFedAvg):
         return train_schema(self.broadcast, self.num_partitions, steps_required=True,
                             reference_change=self.global_reference if explicit else None)
 
-    def reference_change_of(self, message: Message) -> ArrayDict:
-        """``u_k^{t+1} - u_k^t`` of one accepted reply (uploaded or derived)."""
+    def reference_change_of(self, message: Message, factor: float = 1.0) -> ArrayDict:
+        """``u_k^{t+1} - u_k^t`` of one accepted reply (uploaded or derived); with the
+        ``factor`` its update's norm was bounded by (``robust-norm-bound``), the
+        change of the bounded update, ``-u_bar - factor Delta theta_k / (E_k eta)``:
+        the u_k the server tracks follow the update the rule saw."""
         if self.upload == "explicit":
-            return from_record(message.content.array_records[REFERENCE_CHANGE])
+            change = from_record(message.content.array_records[REFERENCE_CHANGE])
+            if factor == 1.0:
+                return change
+            return {key: (-u_bar + factor * (np.asarray(change[key], np.float64) + u_bar))
+                    .astype(np.float32) for key, u_bar in self.global_reference.items()}
         final = from_record(message.content.array_records[ARRAYS])
         update = shared_update(final, self.broadcast, self.corrected_keys)
+        if factor != 1.0:
+            update = {key: (value * np.float64(factor)).astype(np.float32)
+                      for key, value in update.items()}
         steps = int(message.content.metric_records[METRICS][SHARED_STEPS])
         return reference_change(update, self.global_reference, steps=steps,
                                 learning_rate=self.round_learning_rate)
@@ -234,7 +249,9 @@ class FedSPC(PersonalizedFedAvg):
         """Aggregate theta_s as :class:`PersonalizedFedAvg` does, then update u_bar
         (step 4); a failed round changes neither."""
         arrays, metrics = super().aggregate_accepted(server_round, accepted)
-        changes: Iterable[ArrayDict] = (self.reference_change_of(m) for m in accepted)
+        factors = self.norm_factors or [1.0] * len(accepted)
+        changes: Iterable[ArrayDict] = (self.reference_change_of(m, factor)
+                                        for m, factor in zip(accepted, factors))
         if self.reference == "client-centre":
             self.global_reference = self.client_centre(accepted, changes)
         else:

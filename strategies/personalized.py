@@ -270,6 +270,7 @@ class PersonalizedFedAvg(FedAvg):
             raise ValueError("the server optimizer's keys must be shared keys")
         self.expected_counts = dict(expected_counts) if expected_counts else None
         self.selected: list[int] = []  # the accepted replies the last aggregate used
+        self.norm_factors: list[float] = []  # and the factors their norms were bounded by
         self.privacy = privacy
         if privacy is not None and self.rule.name != "mean":
             raise ValueError("differential privacy needs the unweighted mean")
@@ -558,12 +559,15 @@ class PersonalizedFedAvg(FedAvg):
         keys = self.drift_keys if self.drift_keys is not None else tuple(
             k for k in self.shared_keys
             if np.issubdtype((updates[0] if updates else self.broadcast)[k].dtype, np.floating))
+        self.norm_factors = [1.0] * len(updates)
         if self.privacy is not None:
             self.selected = list(range(len(updates)))
             arrays = self.private_mean(server_round, updates, keys)
         elif self.rule.robust:
-            self.selected = self.rule.selected(updates, keys)
-            arrays = self.rule.combine([updates[i] for i in self.selected],
+            # Each update's norm bounded first (robust-norm-bound; factors of 1 if not).
+            self.norm_factors, ruled = self.rule.bound_norms(updates, self.broadcast, keys)
+            self.selected = self.rule.selected(ruled, keys)
+            arrays = self.rule.combine([ruled[i] for i in self.selected],
                                        [weights[i] for i in self.selected])
         else:  # the paper's rule, bit for bit
             self.selected = list(range(len(updates)))
@@ -579,7 +583,8 @@ class PersonalizedFedAvg(FedAvg):
         robust = {}
         if self.rule.robust:
             robust = {"aggregated-client-ids": [int(metrics[i][PARTITION_ID])
-                                                for i in self.selected]}
+                                                for i in self.selected],
+                      "norm-bounded-clients": sum(f < 1.0 for f in self.norm_factors)}
         losses = [float(m[TRAIN_LOSS]) for m in metrics if TRAIN_LOSS in m]
         summary = MetricRecord({
             "clients": len(accepted),

@@ -63,7 +63,14 @@ def test_trimming_never_cuts_fewer_than_the_byzantine_clients():
         values, [1.0] * 4)["w"][0] == pytest.approx(13.25)
     assert rule.combine(values, [1.0] * 4)["w"][0] == pytest.approx(1.05)
     assert rule.shortfall(3) is None and rule.shortfall(2) is not None
-    assert AggregationRule("median", byzantine=3).shortfall(2) is None
+    # The median holds against fewer than half: with f = 3 it needs n > 6.
+    median = AggregationRule("median", byzantine=3)
+    assert median.shortfall(7) is None and median.shortfall(6) is not None
+    assert AggregationRule("median").shortfall(2) is None  # f = 0: no floor
+    # Half of an even n lying sets the median (a liar's 1e9 against 0.02):
+    liars = [{"w": f32(v)} for v in (0.02, 0.02, 1e9, 1e9)]
+    assert AggregationRule("median").combine(liars, [1.0] * 4)["w"][0] == pytest.approx(5e8)
+    assert AggregationRule("median", byzantine=2).shortfall(4) is not None
 
 
 def test_a_round_with_too_few_replies_to_cut_f_a_side_fails_with_the_reason():
@@ -222,28 +229,34 @@ def test_krum_with_the_client_centre_scores_the_u_k_that_make_u_bar():
 def test_shipped_grids_keep_the_u_bar_rule_of_their_committed_runs():
     # The default became "auto": a grid with committed FedSPC runs under a robust rule
     # must still resolve to the rule those runs used (runs from before the key existed
-    # used Algorithm 1's increment), or rerunning it is another experiment.
+    # used Algorithm 1's increment), or rerunning it is another experiment. Likewise
+    # robust-norm-bound, which no committed run had: every run must resolve to "none".
     import json
     from pathlib import Path
 
     from fedspc_app.experiments.grid import load_grid
+    from fedspc_app.runs.checkpoint import FORMER_DEFAULTS
 
     repo = Path(__file__).resolve().parent.parent
-    checked = robust = 0
+    checked = robust = bounded = 0
     for path in sorted((repo / "conf/experiments").glob("*.yaml")):
         grid = load_grid(path, output_dir=str(repo / "docs/results"))
         for cell in grid.cells:
             recorded = cell.run_dir / "config.json"
-            if cell.kind != "federated" or not cell.run_config.get("fedspc") or not (
-                    recorded.is_file()):
+            if cell.kind != "federated" or not recorded.is_file():
                 continue
-            then = {"fedspc-reference": "increment",
-                    **json.loads(recorded.read_text())["run-config"]}
-            now = resolved_settings(cell.run_config)["fedspc-reference"]
-            assert now == resolved_settings(then)["fedspc-reference"], (path.name, cell.name)
+            then = resolved_settings({**FORMER_DEFAULTS,
+                                      **json.loads(recorded.read_text())["run-config"]})
+            now = resolved_settings(cell.run_config)
+            assert now["robust-norm-bound"] == then["robust-norm-bound"] == "none", (
+                path.name, cell.name)
+            bounded += cell.run_config["aggregation"] not in ("mean", "weighted")
+            if not cell.run_config.get("fedspc"):
+                continue
+            assert now["fedspc-reference"] == then["fedspc-reference"], (path.name, cell.name)
             checked += 1
             robust += cell.run_config["aggregation"] not in ("mean", "weighted")
-    assert checked >= 20 and robust >= 10
+    assert checked >= 20 and robust >= 10 and bounded >= 20
 
 
 def test_a_checkpoint_from_before_the_key_resumes_with_the_increment(tmp_path):
@@ -259,3 +272,21 @@ def test_a_checkpoint_from_before_the_key_resumes_with_the_increment(tmp_path):
         if aggregation == "median":  # auto is the client centre there: another run
             with pytest.raises(ConfigError, match="fedspc-reference: checkpoint 'increment'"):
                 read_checkpoint(tmp_path, fingerprint(config, 4))
+
+
+def test_a_checkpoint_from_before_the_norm_bound_resumes_without_it(tmp_path):
+    assert RunConfig().robust_norm_bound == "none"
+    assert RunConfig(robust_norm_bound="median").norm_bound == "none"  # the mean: never
+    for aggregation in ("mean", "median"):
+        config = RunConfig(fedspc=True, aggregation=aggregation)
+        old = {k: v for k, v in fingerprint(config, 4).items() if k != "robust-norm-bound"}
+        write_checkpoint(tmp_path, Checkpoint(round=1, phase="complete", shared={"w": f32(0)},
+                                              global_reference={"w": f32(1)}, strategy={}),
+                         old, new_arrays=True)
+        assert read_checkpoint(tmp_path, fingerprint(config, 4)).round == 1
+        bounded = fingerprint(config.replace(robust_norm_bound="median"), 4)
+        if aggregation == "mean":  # ignored under the mean: the same run
+            assert read_checkpoint(tmp_path, bounded).round == 1
+        else:
+            with pytest.raises(ConfigError, match="robust-norm-bound: checkpoint 'none'"):
+                read_checkpoint(tmp_path, bounded)

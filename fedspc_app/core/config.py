@@ -51,6 +51,8 @@ PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 REFERENCE_UPLOADS = ("derived", "explicit")
 REFERENCE_RULES = ("auto", "increment", "client-centre")
+# A robust rule's bound on each update's norm before it (strategies/aggregation.py).
+NORM_BOUNDS = ("none", "median")
 FINETUNE_PARTS = ("all", "head")
 # What a held-out client fine-tunes before it is tested (clients/held_out.py).
 HELD_OUT_PARTS = ("auto", "personal", "all", "none")
@@ -71,11 +73,21 @@ def resolve_reference(reference: str, aggregation: str, dp: bool) -> str:
     return "client-centre"
 
 
+def resolve_norm_bound(norm_bound: str, aggregation: str) -> str:
+    """``robust-norm-bound`` as it acts: ``none`` under the mean and the weighted mean,
+    which never bound (Algorithm 1)."""
+    return norm_bound if aggregation in ROBUST_AGGREGATIONS else "none"
+
+
 def resolved_settings(values: Mapping[str, Any]) -> dict[str, Any]:
     """Run-config ``values`` (kebab-case, as config.json records them) with ``auto``
     resolved where it decides the arithmetic (``fedspc-reference``), so that runs
-    recorded before a default became ``auto`` compare equal to the same run now."""
+    recorded before a default became ``auto`` compare equal to the same run now, and
+    ``robust-norm-bound`` as it acts (``none`` under the mean)."""
     out = dict(values)
+    if "robust-norm-bound" in out:
+        out["robust-norm-bound"] = resolve_norm_bound(str(out["robust-norm-bound"]),
+                                                      str(out.get("aggregation", "mean")))
     if "fedspc-reference" in out:
         dp = float(out.get("dp-clipping-norm") or 0.0) > 0
         out["fedspc-reference"] = resolve_reference(
@@ -129,6 +141,7 @@ class RunConfig:
     trim_fraction: float = 0.1
     byzantine_clients: int = 0
     krum_select: int = 0
+    robust_norm_bound: str = "none"
     server_optimizer: str = "mean"
     server_learning_rate: float = 0.0
     server_momentum: float = 0.0
@@ -220,6 +233,11 @@ class RunConfig:
     def reference_rule(self) -> str:
         """``fedspc-reference`` with ``auto`` resolved (:func:`resolve_reference`)."""
         return resolve_reference(self.fedspc_reference, self.aggregation, self.dp)
+
+    @property
+    def norm_bound(self) -> str:
+        """``robust-norm-bound`` as it acts (:func:`resolve_norm_bound`)."""
+        return resolve_norm_bound(self.robust_norm_bound, self.aggregation)
 
     @property
     def dp(self) -> bool:
@@ -440,6 +458,12 @@ def validate(config: RunConfig) -> RunConfig:
             f"run-config 'aggregation' = 'trimmed-mean' cuts byzantine-clients = "
             f"{config.byzantine_clients} values at each end of every coordinate, which "
             f"leaves nothing of the {training} training clients")
+    if (config.aggregation == "median" and config.byzantine_clients > 0
+            and 0 < training <= 2 * config.byzantine_clients):
+        raise ConfigError(
+            f"run-config 'aggregation' = 'median' bounds fewer than half faulty clients: "
+            f"byzantine-clients = {config.byzantine_clients} of {training} training "
+            "clients is not")
     _at_least("krum-select", config.krum_select, 0)
     _at_least("attack-clients", config.attack_clients, 0)
     _at_least("server-learning-rate", config.server_learning_rate, 0.0)
@@ -459,6 +483,7 @@ def validate(config: RunConfig) -> RunConfig:
     _choice("precision", config.precision, PRECISIONS)
     _choice("fedspc-upload", config.fedspc_upload, REFERENCE_UPLOADS)
     _choice("fedspc-reference", config.fedspc_reference, REFERENCE_RULES)
+    _choice("robust-norm-bound", config.robust_norm_bound, NORM_BOUNDS)
     _choice("fedbabu-finetune-parts", config.fedbabu_finetune_parts, FINETUNE_PARTS)
     _choice("held-out-parts", config.held_out_parts, HELD_OUT_PARTS)
     _at_least("held-out-clients", config.held_out_clients, 0)

@@ -39,7 +39,7 @@ from fedspc_app.experiments.layout import (
 from fedspc_app.launch.processes import run_logged
 from fedspc_app.launch.runconfig import run_config_file
 from fedspc_app.launch.superlink import LocalSuperLink, SimulationFailed, run_simulation
-from fedspc_app.runs.checkpoint import CHECKPOINT_JSON, saved_progress
+from fedspc_app.runs.checkpoint import CHECKPOINT_JSON, FORMER_DEFAULTS, saved_progress
 from fedspc_app.runs.pause import PAUSE_REQUEST, RunPaused, clear_pause, pause_requested
 from fedspc_app.runs.provenance import machine
 from fedspc_app.runs.results import CONFIG_JSON, METRICS_JSON, SUMMARY_JSON, format_duration
@@ -77,7 +77,8 @@ def config_changes(cell: Cell) -> list[str]:
     recorded = read_json(cell.run_dir / CONFIG_JSON)
     if not isinstance(recorded, dict) or not isinstance(recorded.get("run-config"), dict):
         return []
-    old = resolved_settings(recorded["run-config"])
+    # A key the run did not record had the value it had then (as for a checkpoint).
+    old = resolved_settings({**FORMER_DEFAULTS, **recorded["run-config"]})
     return sorted(key for key, value in resolved_settings(cell.run_config).items()
                   if key not in RESULT_IRRELEVANT and key in old and old[key] != value)
 

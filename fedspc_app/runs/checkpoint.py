@@ -51,9 +51,10 @@ MAY_CHANGE = frozenset({
     "wandb", "wandb-project", "wandb-entity", "wandb-mode", "stop-by",
 })
 
-# Run-config keys whose default changed: what a checkpoint that does not name them
-# ran with (before "auto", u_bar was always Algorithm 1's increment).
-FORMER_DEFAULTS = {"fedspc-reference": "increment"}
+# Run-config keys whose default changed, or that were added: what a checkpoint that
+# does not name them ran with (before "auto", u_bar was always Algorithm 1's
+# increment; before robust-norm-bound, no rule bounded the updates' norms).
+FORMER_DEFAULTS = {"fedspc-reference": "increment", "robust-norm-bound": "none"}
 
 
 def fingerprint(config: RunConfig, num_clients: int) -> dict[str, Any]:
@@ -63,6 +64,7 @@ def fingerprint(config: RunConfig, num_clients: int) -> dict[str, Any]:
     # u_bar's rule as resolved: a checkpoint of the same arithmetic resumes whether it
     # was written with "auto" or with the rule "auto" resolves to.
     values["fedspc-reference"] = config.reference_rule
+    values["robust-norm-bound"] = config.norm_bound  # "none" under the mean
     return values
 
 
