@@ -6,7 +6,7 @@ data, partition, model and client code (:func:`clients.train_client` and
 updates u_bar as :class:`strategies.FedSPC` does, with the same functions
 (:func:`strategies.personalized.mean_arrays`,
 :func:`fedspc_app.core.correction.global_reference_update`, and for the evaluation
-:func:`strategies.personalized.evaluation_summary`). It is the baseline of
+:func:`strategies.summaries.evaluation_summary`). It is the baseline of
 ``scripts/benchmark.py --compare``, and a cross-check of the apps: with every client
 sampled, its metrics are those of the Flower run with the same run-config, bit for
 bit (``tests/test_inprocess.py``). With ``fraction-train`` < 1 it samples its own
@@ -42,7 +42,7 @@ from fedspc_app.models.split import parameter_split
 from fedspc_app.training.client_data import client_data
 from fedspc_app.training.precision import apply_determinism
 from strategies.aggregation import mean_arrays
-from strategies.personalized import evaluation_summary
+from strategies.summaries import evaluation_summary
 
 
 def _sample(rng: np.random.Generator, num_clients: int, fraction: float) -> list[int]:

@@ -51,11 +51,7 @@ from fedspc_app.core.protocol import (
     CORRECT,
     DURABLE_THROUGH,
     EXAMPLES_SEEN,
-    GLOBAL_CORRECT,
-    GLOBAL_EXAMPLES,
     HELD_OUT,
-    LOCAL_CORRECT,
-    LOCAL_EXAMPLES,
     LOSS_SUM,
     METRICS,
     NUM_EXAMPLES,
@@ -65,7 +61,6 @@ from fedspc_app.core.protocol import (
     RUN_TOKEN,
     SERVER_ROUND,
     SHARED_STEPS,
-    TIMINGS,
     TRAIN_LOSS,
 )
 from fedspc_app.core.records import ArrayDict, from_record, to_record
@@ -74,6 +69,12 @@ from strategies.aggregation import AggregationRule, mean_arrays
 from strategies.drift import drift_statistics
 from strategies.sampling import PartitionSampler
 from strategies.server_optimizer import ServerOptimizer
+from strategies.summaries import (
+    accuracy_before_aggregation,
+    evaluation_summary,
+    global_model_accuracy,
+    summed_timings,
+)
 
 DP_SECRET = "dp-secret"  # the checkpoint's key of the privacy secret
 
@@ -106,64 +107,6 @@ class Privacy:
     clip_on_server: bool = False
 
 
-def optional_accuracy(metrics: Sequence[MetricRecord], correct: str, examples: str,
-                      name: str) -> dict[str, float | list]:
-    """``name`` (the mean over clients) and ``client-<name>`` (each reply's, in order)
-    of an optional pair of reply counts; empty unless every reply reports a valid one."""
-    usable = [m for m in metrics
-              if isinstance(m.get(correct), int) and isinstance(m.get(examples), int)
-              and 0 <= m[correct] <= m[examples] and m[examples] > 0]
-    if not metrics or len(usable) != len(metrics):
-        return {}
-    accuracies = [m[correct] / m[examples] for m in usable]
-    return {name: float(np.mean(accuracies)), f"client-{name}": accuracies}
-
-
-def accuracy_before_aggregation(metrics: Sequence[MetricRecord]) -> dict[str, float | list]:
-    """The accuracy of each client's locally trained model (``evaluate-before-aggregation``)."""
-    return optional_accuracy(metrics, LOCAL_CORRECT, LOCAL_EXAMPLES,
-                             "accuracy-before-aggregation")
-
-
-def global_model_accuracy(metrics: Sequence[MetricRecord]) -> dict[str, float | list]:
-    """The received global model's accuracy on each client's test split, beside a
-    personal model's (``evaluate-global-model``)."""
-    return optional_accuracy(metrics, GLOBAL_CORRECT, GLOBAL_EXAMPLES, "global-accuracy")
-
-
-def summed_timings(metrics: Iterable[MetricRecord]) -> dict[str, float]:
-    """``client-<timing>``: the sum over the replies of each timing they report."""
-    totals = dict.fromkeys(TIMINGS, 0.0)
-    for record in metrics:
-        for key in TIMINGS:
-            value = record.get(key, 0.0)
-            if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
-                totals[key] += float(value)
-    return {f"client-{key}": value for key, value in totals.items()}
-
-
-def evaluation_summary(rows: Mapping[int, tuple[int, int, float]]) -> dict[str, float | list]:
-    """The paper's personalized accuracy and its companions, from each evaluated
-    client's ``(correct, examples, loss sum)`` by partition id.
-
-    ``accuracy`` is the mean over clients of each one's accuracy on its own test
-    split; ``weighted-accuracy`` and ``loss`` are over all the test images; the
-    ``client-*`` lists follow ``client-ids`` (ascending partition ids).
-    """
-    ids = sorted(rows)
-    accuracies = [rows[pid][0] / rows[pid][1] for pid in ids]
-    total = sum(rows[pid][1] for pid in ids)
-    return {
-        "accuracy": float(np.mean(accuracies)),
-        "weighted-accuracy": sum(rows[pid][0] for pid in ids) / total,
-        "loss": sum(rows[pid][2] for pid in ids) / total,
-        "clients": len(ids),
-        "client-ids": ids,
-        "client-accuracy": accuracies,
-        "client-examples": [rows[pid][1] for pid in ids],
-    }
-
-
 @dataclass
 class RoundReport:
     """What happened to one round's training replies."""
@@ -174,6 +117,9 @@ class RoundReport:
     reasons: list[str] = field(default_factory=list)
     failed: bool = False
     evaluate_dropped: int = 0
+    # Differential privacy: how many clients a round drew, and so how many dropped,
+    # is not written (with colluders' own draws, the count tells another's).
+    private: bool = False
 
     @property
     def dropped(self) -> int:
@@ -419,9 +365,13 @@ class PersonalizedFedAvg(FedAvg):
                   grid: Grid, fraction: float, kind: str) -> tuple[list[Message], int]:
         """One message per sampled client, and how many clients were drawn."""
         nodes, drawn = self.sampler.sample(grid, server_round, fraction, kind)
-        log(INFO, "configure_%s: sampled %d of %d clients%s", kind, drawn,
-            self.num_training,
-            f" ({drawn - len(nodes)} not connected)" if len(nodes) < drawn else "")
+        if self.privacy is not None and kind == MessageType.TRAIN:
+            log(INFO, "configure_train: drew clients at rate %g of %d (the count is "
+                "withheld under differential privacy)", fraction, self.num_training)
+        else:
+            log(INFO, "configure_%s: sampled %d of %d clients%s", kind, drawn,
+                self.num_training,
+                f" ({drawn - len(nodes)} not connected)" if len(nodes) < drawn else "")
         config[SERVER_ROUND] = server_round
         return self._addressed(arrays, config, nodes, kind), drawn
 
@@ -484,7 +434,7 @@ class PersonalizedFedAvg(FedAvg):
         """
         replies = list(replies)
         sampled = max(self.sampled, len(replies))
-        report = RoundReport(server_round, sampled)
+        report = RoundReport(server_round, sampled, private=self.privacy is not None)
         accepted, partitions = [], set()
         for message in replies:
             reason = self.check_reply(message)
@@ -506,7 +456,9 @@ class PersonalizedFedAvg(FedAvg):
                 log(WARNING, "round %d: dropped the reply of %s: %s", server_round, who,
                     reason)
         if sampled > len(replies):
-            report.reasons.append(f"{sampled - len(replies)} sampled client(s) did not "
+            report.reasons.append("some drawn clients did not reply within the round "
+                                  "timeout" if report.private else
+                                  f"{sampled - len(replies)} sampled client(s) did not "
                                   "reply within the round timeout")
         report.accepted = len(accepted)
         needed = max(1, math.ceil(self.min_train_replies * sampled - 1e-9))
@@ -514,9 +466,14 @@ class PersonalizedFedAvg(FedAvg):
         if len(accepted) < needed:
             report.failed = True
             report.accepted = 0
-            log(WARNING, "round %d failed: %d of %d sampled clients sent a usable reply, "
-                "%d needed; the shared block stays as it was", server_round, len(accepted),
-                sampled, needed)
+            if report.private:
+                log(WARNING, "round %d failed: too few usable replies (the counts are "
+                    "withheld under differential privacy); the shared block stays as it "
+                    "was", server_round)
+            else:
+                log(WARNING, "round %d failed: %d of %d sampled clients sent a usable "
+                    "reply, %d needed; the shared block stays as it was", server_round,
+                    len(accepted), sampled, needed)
             return []
         # Sums of floats depend on their order, and replies arrive in any order: in
         # partition order, the same seed gives bit-identical aggregates.
@@ -587,7 +544,6 @@ class PersonalizedFedAvg(FedAvg):
                       "norm-bounded-clients": sum(f < 1.0 for f in self.norm_factors)}
         losses = [float(m[TRAIN_LOSS]) for m in metrics if TRAIN_LOSS in m]
         summary = MetricRecord({
-            "clients": len(accepted),
             TRAIN_LOSS: float(np.mean(losses)) if losses else float("nan"),
             **drift,
             **robust,
@@ -610,6 +566,7 @@ class PersonalizedFedAvg(FedAvg):
         if self.privacy is not None:
             return {k: v for k, v in before.items() if not k.startswith("client-")}
         return {
+            "clients": len(metrics),
             "train-client-ids": [int(m[PARTITION_ID]) for m in metrics],
             NUM_EXAMPLES: int(sum(int(m[NUM_EXAMPLES]) for m in metrics)),
             EXAMPLES_SEEN: int(sum(int(m.get(EXAMPLES_SEEN, 0)) for m in metrics)),
@@ -679,18 +636,26 @@ class PersonalizedFedAvg(FedAvg):
                     records[partition] = metrics
                     continue
             dropped += 1
-            log(WARNING, "round %d: dropped the evaluation reply of node %d: %s",
-                server_round, message.metadata.src_node_id, one_line(reason))
+            log(WARNING, "round %d: dropped the evaluation reply of %s", server_round,
+                "a client (the reason is withheld under differential privacy)"
+                if self.privacy is not None else
+                f"node {message.metadata.src_node_id}: {one_line(reason)}")
         if self.report is not None and self.report.server_round == server_round:
             self.report.evaluate_dropped = dropped
         held = {pid: rows.pop(pid) for pid in list(rows) if pid >= self.num_training}
         if not rows:
             return None
         summary = evaluation_summary(rows)
-        return MetricRecord({
+        metrics = {
             **summary,
             **summed_timings(records.values()),
             **global_model_accuracy([records[pid] for pid in summary["client-ids"]]),
             **({f"{HELD_OUT}-{key}": value for key, value in evaluation_summary(held).items()}
                if held else {}),
-        })
+        }
+        if self.privacy is not None:
+            # A client's own accuracy moves when it was drawn (a personal model that
+            # only trains then, as Ditto's): under privacy only the means are reported.
+            metrics = {k: v for k, v in metrics.items()
+                       if k not in ("client-accuracy", "client-global-accuracy")}
+        return MetricRecord(metrics)

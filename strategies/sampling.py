@@ -177,5 +177,17 @@ class PartitionSampler:
         """Partition id -> node id, over ``nodes`` (binding those not bound yet)."""
         self.ask(grid, nodes)
         online = set(nodes)
-        return {partition: node for node, partition in self.partition_of.items()
-                if node in online}
+        node_of: dict[int, int] = {}
+        for node, partition in list(self.partition_of.items()):  # earliest bound first
+            if node not in online:
+                continue
+            if partition not in node_of:
+                node_of[partition] = node
+                continue
+            # A node bound while the partition's node was away, and that node is back:
+            # the partition stays with the earlier binding, the later one is undone.
+            del self.partition_of[node]
+            log(WARNING, "node %d and node %d are both bound to partition %d: it stays "
+                "with node %d, node %d is unbound and not messaged", node_of[partition],
+                node, partition, node_of[partition], node)
+        return node_of

@@ -262,7 +262,8 @@ def test_an_empty_poisson_draw_releases_the_noise_alone():
                            ConfigRecord(), FakeGrid([1, 2, 3]))
     assert server.sampled == 0
     arrays, metrics = server.aggregate_train(1, [])
-    assert arrays is not None and not server.report.failed and metrics["clients"] == 0
+    assert arrays is not None and not server.report.failed and server.report.accepted == 0
+    assert "clients" not in metrics  # under privacy the count is withheld
     assert arrays_of(arrays)[W].std() == pytest.approx(2.0 * 1.0 / 0.03, rel=0.02)
 
 
@@ -342,14 +343,17 @@ def test_under_privacy_no_client_and_no_result_names_who_took_part(tmp_path):
         assert all(value == 0 for pid, value in enumerate(accepted) if pid != own)
     assert any(list(m.content.config_records["config"]["accepted-rounds"])
                [node_partition[m.metadata.dst_node_id]] > 0 for m in grid.sent)
-    # Each of these is a sum of public per-client figures (a partition's size fixes its
-    # images and steps), from which the draw can be solved, or names its clients.
+    # Each of these names the round's clients, or is a sum of public per-client figures
+    # (a partition's size fixes its images and steps) from which the draw can be solved;
+    # the count, with colluders' own draws, tells whether another was drawn; and a
+    # client's own accuracy moves when it was drawn (Ditto's personal model).
     withheld = ("train-client-ids", "client-accuracy-before-aggregation", "train-images",
                 "images-per-second", "min-rounds-trained", "train-client-work-seconds",
-                "train-client-setup-seconds")
+                "train-client-setup-seconds", "train-clients", "train-dropped",
+                "client-accuracy")
     for row in rounds:
         assert not [key for key in withheld if key in row]
-        assert "accuracy-before-aggregation" in row and "train-clients" in row
+        assert "accuracy-before-aggregation" in row and "accuracy" in row
     _, plain = run(tmp_path, "plain", **{"num-rounds": 2, "evaluate-before-aggregation": True})
     assert [key for key in withheld if key not in plain[1]] == ["train-client-ids"]
 

@@ -117,6 +117,22 @@ def test_a_binding_never_changes_and_a_held_partition_is_not_given_twice():
     assert sampler.partition_of == {10: 1, 11: 1}
 
 
+def test_a_partition_taken_while_its_node_was_away_goes_back_when_it_returns():
+    """Node 4 (partition 3) misses a round; node 9 claims partition 3 and is bound to
+    it. When node 4 comes back under its id, partition 3 stays with node 4, node 9 is
+    unbound and never messaged again (it was, before: the later binding won)."""
+    grid = Nodes({1: 0, 2: 1, 3: 2})  # node 4 is away
+    sampler = PartitionSampler(4, node_wait=0.0)
+    for node, partition in {1: 0, 2: 1, 3: 2, 4: 3}.items():
+        assert sampler.bind(node, partition) is None
+    grid.nodes[9] = 3  # the claimant answers the query with partition 3
+    assert sampler.sample(grid, 1, 1.0, "train")[0] == [1, 2, 3, 9]
+    grid.nodes[4] = 3  # node 4 is back
+    for server_round in (2, 3):
+        assert sampler.sample(grid, server_round, 1.0, "train")[0] == [1, 2, 3, 4]
+    assert 9 not in sampler.partition_of and sampler.partition_of[4] == 3
+
+
 def test_a_node_claiming_a_connected_nodes_partition_is_not_messaged():
     # Node 7 answers the partition query with node 5's partition 0: it stays unbound,
     # so it is never messaged, and node 5 keeps its partition.

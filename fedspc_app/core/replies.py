@@ -65,14 +65,32 @@ NPY_VERSIONS = ((1, 0), (2, 0))  # what np.save writes for a plain array
 
 def one_line(text: object, limit: int = REASON_LENGTH) -> str:
     """``text`` on one line, at most ``limit`` characters (a client's error text may
-    hold a traceback, and any length)."""
-    line = " ".join(str(text).split())
+    hold a traceback, and any length: it is cut before it is split, so a long one
+    costs no more than a short one)."""
+    text = text if isinstance(text, str) else str(text)
+    line = " ".join(text[:4 * limit + 4].split())
     return line if len(line) <= limit else line[:limit - 1] + "…"
 
 
+def shown(value: object, limit: int = 60) -> str:
+    """A short description of a client's ``value`` that costs nothing to make: a list's
+    length rather than its items, a string's first characters, a type's name."""
+    if isinstance(value, (list, tuple, dict, set)):
+        return f"a {type(value).__name__} of {len(value)} values"
+    if isinstance(value, (str, bytes)):
+        return repr(value[:limit]) + ("…" if len(value) > limit else "")
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, int):
+        return repr(value) if abs(value) < 10**30 else "an integer beyond ±1e30"
+    if isinstance(value, float):
+        return repr(value)
+    return f"a {type(value).__name__}"
+
+
 def _names(values: Iterable[object]) -> list[str]:
-    """Up to three of ``values`` as sorted reprs (keys of any type sort so)."""
-    return sorted(repr(v) for v in values)[:3]
+    """Up to three of ``values`` (sorted), each shown short."""
+    return sorted(shown(v) for v in values)[:3]
 
 
 def _bound(value: float) -> str:
@@ -136,8 +154,7 @@ class Metric:
                      and self.low <= value <= self.high)
         if valid:
             return None
-        shown = one_line(repr(value), 60)
-        return f"'{self.key}' must be {self.describe()}, got {shown}"
+        return f"'{self.key}' must be {self.describe()}, got {shown(value)}"
 
     def check(self, metrics: Mapping[str, object]) -> str | None:
         if self.key not in metrics:

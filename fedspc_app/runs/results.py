@@ -310,7 +310,8 @@ class RunRecorder:
         self.last = now
         if report is not None and report.server_round == server_round:
             row["failed"] = int(report.failed)
-            row["train-dropped"] = report.dropped
+            if not getattr(report, "private", False):  # DP: the counts are withheld
+                row["train-dropped"] = report.dropped
             row["evaluate-dropped"] = report.evaluate_dropped
             if report.reasons:
                 row["dropped-reasons"] = list(report.reasons)
@@ -318,7 +319,8 @@ class RunRecorder:
             row["dp-epsilon"] = _clean(self.dp_epsilon(server_round))
         if train is not None:
             row["train-loss"] = _clean(float(train.get("train-loss", float("nan"))))
-            row["train-clients"] = int(train.get("clients", 0))
+            if "clients" in train:  # (not under differential privacy)
+                row["train-clients"] = int(train["clients"])
             if "examples-seen" in train:  # (not under differential privacy)
                 row["train-images"] = int(train["examples-seen"])
                 row["min-rounds-trained"] = int(train.get("min-rounds-trained", 0))
@@ -351,12 +353,14 @@ class RunRecorder:
                 if key in evaluate:
                     row[key] = _clean(float(evaluate[key]))
             row.update(_timings("evaluate", evaluate))
-            row["client-accuracy"] = {
-                str(pid): acc for pid, acc in zip(evaluate["client-ids"],
-                                                  evaluate["client-accuracy"])
-            }
+            if "client-accuracy" in evaluate:  # (not under differential privacy)
+                row["client-accuracy"] = {
+                    str(pid): acc for pid, acc in zip(evaluate["client-ids"],
+                                                      evaluate["client-accuracy"])
+                }
             if "global-accuracy" in evaluate:
                 row["global-accuracy"] = _clean(float(evaluate["global-accuracy"]))
+            if "client-global-accuracy" in evaluate:
                 row["client-global-accuracy"] = {
                     str(pid): _clean(float(acc)) for pid, acc in
                     zip(evaluate["client-ids"], evaluate["client-global-accuracy"])}
@@ -382,7 +386,8 @@ class RunRecorder:
         if row.get("held-out-accuracy") is not None:
             acc_text += f" (held out {100 * row['held-out-accuracy']:.2f}%)"
         if row.get("failed"):
-            acc_text = f"FAILED ({row['train-dropped']} unusable replies)"
+            acc_text = ("FAILED (too few usable replies)" if "train-dropped" not in row
+                        else f"FAILED ({row['train-dropped']} unusable replies)")
         loss = row.get("loss")
         loss_text = "n/a" if loss is None else f"{loss:.4f}"
         return (f"[{self.config.label}] round {done:>{len(str(total))}}/{total}"
