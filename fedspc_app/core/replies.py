@@ -57,7 +57,8 @@ MAX_NUMBER = 1e30  # losses and other floating-point metrics
 MAX_SECONDS = 1e9  # a client's timings
 MAX_EPOCH = 1e11  # wall-clock epochs (the year 5138)
 MAX_ARRAY_VALUE = 1e9  # |entry| of an uploaded array
-REASON_LENGTH = 300  # characters of a logged reason
+REASON_LENGTH = 600  # characters of a logged reason
+ERROR_LENGTH = 500  # characters of a client's error text within it (paths can be long)
 
 INT, NUMBER, INT_LIST = "integer", "number", "integer list"
 NPY_VERSIONS = ((1, 0), (2, 0))  # what np.save writes for a plain array
@@ -266,7 +267,7 @@ class ReplySchema:
         """Why the reply is unusable (one line), or ``None`` when every field the
         server reads is there and valid."""
         if message.has_error():
-            return f"client error: {one_line(message.error.reason, 200)}"
+            return f"client error: {one_line(message.error.reason, ERROR_LENGTH)}"
         content = message.content
         reason = self._check_records(content)
         if reason is None:
