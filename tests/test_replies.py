@@ -598,7 +598,7 @@ def test_honest_replies_all_pass_and_aggregate_as_before(case):
 
 def test_a_reason_is_one_short_line():
     assert replies.one_line("a\n b\t c") == "a b c"
-    assert len(replies.one_line("x" * 1000)) == replies.REASON_LENGTH
+    assert len(replies.one_line("x" * 2 * replies.REASON_LENGTH)) == replies.REASON_LENGTH
 
 
 def test_a_huge_or_deep_value_is_described_without_being_printed():
@@ -621,4 +621,16 @@ def test_a_huge_or_deep_value_is_described_without_being_printed():
         assert expected in reason and len(reason) <= replies.REASON_LENGTH + 20, reason[:200]
     text = " word" * 10_000_000
     assert replies.one_line(text, 200) == ("word " * 40)[:199] + "…"
-    assert replies.one_line(text) == ("word " * 120)[:replies.REASON_LENGTH - 1] + "…"
+    assert replies.one_line(text) == ("word " * (replies.REASON_LENGTH // 5 + 1))[
+        :replies.REASON_LENGTH - 1] + "…"
+
+
+def test_a_long_client_error_keeps_its_start_and_its_last_line():
+    """A Ray worker's error is a traceback whose last line says what went wrong."""
+    error = ("Traceback (most recent call last):\n" + "  File 'x.py', line 1\n" * 500
+             + "DurableStateError: this node does not see the client-state folder")
+    kept = replies.one_line(error, replies.ERROR_LENGTH, tail=True)
+    assert len(kept) <= replies.ERROR_LENGTH and "\n" not in kept
+    assert kept.startswith("Traceback (most recent call last):")
+    assert kept.endswith("DurableStateError: this node does not see the client-state folder")
+    assert replies.one_line("a  short\nerror", replies.ERROR_LENGTH, tail=True) == "a short error"

@@ -57,20 +57,28 @@ MAX_NUMBER = 1e30  # losses and other floating-point metrics
 MAX_SECONDS = 1e9  # a client's timings
 MAX_EPOCH = 1e11  # wall-clock epochs (the year 5138)
 MAX_ARRAY_VALUE = 1e9  # |entry| of an uploaded array
-REASON_LENGTH = 600  # characters of a logged reason
-ERROR_LENGTH = 500  # characters of a client's error text within it (paths can be long)
+REASON_LENGTH = 1200  # characters of a logged reason
+ERROR_LENGTH = 1000  # characters of a client's error text within it (paths can be long)
 
 INT, NUMBER, INT_LIST = "integer", "number", "integer list"
 NPY_VERSIONS = ((1, 0), (2, 0))  # what np.save writes for a plain array
 
 
-def one_line(text: object, limit: int = REASON_LENGTH) -> str:
+def one_line(text: object, limit: int = REASON_LENGTH, *, tail: bool = False) -> str:
     """``text`` on one line, at most ``limit`` characters (a client's error text may
     hold a traceback, and any length: it is cut before it is split, so a long one
-    costs no more than a short one)."""
+    costs no more than a short one). With ``tail``, a long text keeps its start and
+    its end (a traceback's last line says what went wrong)."""
     text = text if isinstance(text, str) else str(text)
-    line = " ".join(text[:4 * limit + 4].split())
-    return line if len(line) <= limit else line[:limit - 1] + "…"
+    if not tail:
+        line = " ".join(text[:4 * limit + 4].split())
+        return line if len(line) <= limit else line[:limit - 1] + "…"
+    line = " ".join(text.split()) if len(text) <= 4 * limit else ""
+    if line and len(line) <= limit:
+        return line
+    head = one_line(text, limit // 3)
+    end = " ".join(text[-4 * limit:].split())[-(limit - len(head) - 1):]
+    return f"{head[:-1]}…{end}"
 
 
 def shown(value: object, limit: int = 60) -> str:
@@ -267,7 +275,7 @@ class ReplySchema:
         """Why the reply is unusable (one line), or ``None`` when every field the
         server reads is there and valid."""
         if message.has_error():
-            return f"client error: {one_line(message.error.reason, ERROR_LENGTH)}"
+            return f"client error: {one_line(message.error.reason, ERROR_LENGTH, tail=True)}"
         content = message.content
         reason = self._check_records(content)
         if reason is None:
