@@ -150,8 +150,11 @@ def test_a_robust_rule_a_server_optimizer_and_an_attacker_run_through_flwr_run(
     with np.load(run_dir / checkpoint["arrays"]) as arrays:
         names = list(arrays.files)
     moments = [n for n in names if n.startswith("optimizer/")]
-    references = [n for n in names if n.startswith("reference/")]
+    references = [n for n in names if n.startswith("reference/")
+                  and not n.startswith("reference/client/")]  # u_bar, not the tracked u_k
     assert len(moments) == 2 * len(references) > 0
+    # fedspc-reference "auto" under a robust rule: the client centre, u_k kept.
+    assert any(n.startswith("reference/client/") for n in names)
 
 
 @pytest.mark.slow
@@ -164,6 +167,8 @@ def test_differential_privacy_runs_through_flwr_run(superlink, tmp_path):
         timeout=600)
     assert summary["complete"] and summary["dp-epsilon"] > 0
     rounds = json.loads((tmp_path / "private" / "metrics.json").read_text())["rounds"]
-    assert [r["train-clients"] for r in rounds] == [2, 2]  # half the clients a round
+    # Each client drawn with probability 1/2 from the server's secret; how many were is
+    # not written (with colluders' own draws it would tell another's).
+    assert len(rounds) == 2 and not [r for r in rounds if "train-clients" in r]
     assert rounds[0]["dp-epsilon"] < rounds[1]["dp-epsilon"]
     assert "ε " in (tmp_path / "run.log").read_text()  # in the progress line
