@@ -9,7 +9,10 @@ reply checks and the divergence guard let it through.
 * ``sign-flip``: theta_s - Delta theta;
 * ``noise``: theta_s + Gaussian noise with the norm of Delta theta;
 * ``small-steps``: the honest parameters, reporting one shared step: FedSPC's
-  reference change -u_bar - Delta theta / (E eta) is then E times too large.
+  reference change -u_bar - Delta theta / (E eta) is then E times too large;
+* ``bias``: theta_s + Delta theta + s * d, d one unit direction that stays the same
+  every round (drawn from ``seed`` and the partition id): a lie of norm s, small
+  beside the update if s is, that always leans the same way.
 
 Only the shared trainable parameters are rewritten (buffers such as BatchNorm
 statistics travel as trained).
@@ -48,12 +51,25 @@ def attacked_reply(config: RunConfig, partition_id: int, server_round: int,
         norm = np.sqrt(sum(float(np.sum(update[k].astype(np.float64) ** 2)) for k in keys))
         noise_norm = np.sqrt(sum(float(np.sum(v ** 2)) for v in noise.values())) or 1.0
         lie = {k: noise[k] * (norm / noise_norm) for k in keys}
+    elif config.attack == "bias":
+        lie = biased(update, keys, config.attack_scale,
+                     np.random.default_rng([config.seed, partition_id]))
     else:
         factor = -1.0 if config.attack == "sign-flip" else config.attack_scale
         lie = {k: update[k].astype(np.float64) * factor for k in keys}
     for key in keys:
         out[key] = (received[key].astype(np.float64) + lie[key]).astype(shared[key].dtype)
     return out, metrics
+
+
+def biased(update: ArrayDict, keys: Sequence[str], scale: float,
+           rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """``update + scale * d`` over ``keys`` (float64), d a unit direction drawn from
+    ``rng`` (the same generator state gives the same d every round)."""
+    direction = {k: rng.standard_normal(update[k].shape) for k in keys}
+    length = np.sqrt(sum(float(np.sum(v ** 2)) for v in direction.values())) or 1.0
+    return {k: update[k].astype(np.float64) + direction[k] * (scale / length)
+            for k in keys}
 
 
 def attacked_reference_change(config: RunConfig, received: Mapping[str, np.ndarray],

@@ -50,7 +50,12 @@ from fedspc_app.core.correction import reference_change, shared_update
 from strategies import AggregationRule, FedSPC, PersonalizedFedAvg
 
 ATTACKS = {"scale x50": ("scale", 50.0), "sign-flip": ("sign-flip", 50.0),
-           "noise": ("noise", 50.0), "small-steps": ("small-steps", 50.0)}
+           "noise": ("noise", 50.0), "small-steps": ("small-steps", 50.0),
+           # Lies an adversary would pick against FedSPC: a mild scale, and a small
+           # lean that is the same every round (norm 0.1, beside honest updates of
+           # norm about 2.4 without FedSPC, 0.25 with it once the drift is corrected).
+           "scale x2": ("scale", 2.0), "bias 0.1": ("bias", 0.1)}
+ADAPTIVE = ("scale x2", "bias 0.1")
 # Not an attack: the liar trains honestly with another draw of its gradient noise,
 # the effect of a legitimate change in one client's reply (the floor under a lie's).
 NULL = "honest, other noise"

@@ -41,7 +41,7 @@ AGGREGATIONS = ("mean", "weighted", "median", "trimmed-mean", "krum", "multi-kru
 # The rules a few lying clients cannot steer (strategies/aggregation.py).
 ROBUST_AGGREGATIONS = ("median", "trimmed-mean", "krum", "multi-krum")
 SERVER_OPTIMIZERS = ("mean", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
-ATTACKS = ("none", "scale", "sign-flip", "noise", "small-steps")
+ATTACKS = ("none", "scale", "sign-flip", "noise", "small-steps", "bias")
 DP_CLIPPING = ("client", "server")
 DP_ACCOUNTANTS = ("rdp", "pld")  # dp_accounting's, under add/remove of one client
 LR_SCHEDULES = ("constant", "exponential", "cosine", "step")
