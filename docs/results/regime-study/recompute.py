@@ -385,6 +385,7 @@ def main():
     wall_times()
     recorded()
     grid_runs()
+    resnet34_e5()
     readme_table()
     predictions()
 
@@ -895,6 +896,22 @@ def grid_runs():
             if disp:
                 print(f"    dispersion rounds 2-{rounds[-1]['round']}: {min(disp):.2f}-{max(disp):.2f}"
                       f" (mean {np.mean(disp):.2f}; lowest at round {low}, last {disp[-1]:.2f})")
+
+
+def resnet34_e5():
+    """The ResNet-34 E = 5 pairs round by round: Δ each round, the clients ahead /
+    behind at the last round with their range, accuracy before aggregation there."""
+    header("ResNet-34 at E = 5, pair by pair: Δ each round, clients, accuracy before aggregation")
+    for pid in ("P6", "P9", "P10"):
+        for p in cell_pairs(CELLS[pid])[0]:
+            d = p.diff()
+            client = {k: p.spc["clients"][k] - v for k, v in p.base["clients"].items()}
+            ahead, behind = p.clients()
+            before = (f"; before aggregation at round {p.last} {p.spc['before'][p.last]:.2f} vs"
+                      f" {p.base['before'][p.last]:.2f}" if p.last in p.base["before"] else "")
+            print(f"{pid} {p.method} s{p.seed}: Δ " + ", ".join(f"r{r} {f(v)}" for r, v in d.items())
+                  + f"; clients ahead / behind {ahead} / {behind} ({min(client.values()):+.2f} to"
+                  f" {max(client.values()):+.2f}){before}")
 
 
 # ------------------------------------------------------------ the README's table
