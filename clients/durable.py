@@ -106,7 +106,7 @@ class DurableState:
             f"server wrote it ({found}). A simulation's clients keep their state there "
             "between rounds, so on a multi-node Ray cluster it must be a folder every "
             "node sees at the same path (a shared filesystem): set run-config "
-            "client-state-dir to one, or put output-dir on one (docs/DEPLOYMENT.md)")
+            "client-state-dir to one, or put output-dir on one (docs/deployment.md)")
 
     def path(self, slot: str = COMMITTED) -> Path:
         suffix = ".pending.npz" if slot == PENDING else ".npz"

@@ -11,5 +11,5 @@
 
 The shell scripts beside this package (``start-superlink.sh``,
 ``start-supernode.sh``, ``register-supernode.sh``, ``run.sh``) are what an operator
-runs on each machine; docs/DEPLOYMENT.md walks through them.
+runs on each machine; docs/deployment.md walks through them.
 """

@@ -1,6 +1,6 @@
 """A whole FedSPC deployment on this machine: one SuperLink, N SuperNodes, the CLI.
 
-It runs exactly what docs/DEPLOYMENT.md has an operator run on separate machines
+It runs exactly what docs/deployment.md has an operator run on separate machines
 (``start-superlink.sh``, ``start-supernode.sh``, ``flwr supernode register``,
 ``flwr run``), on loopback with free ports, a private ``FLWR_HOME`` per party,
 TLS and SuperNode authentication on by default, and a state directory per node.

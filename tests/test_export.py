@@ -171,7 +171,7 @@ def test_the_command_writes_the_state_dict_and_its_description(fedper, tmp_path,
     assert main([str(fedper), "--client", "1", "--out", str(out)]) == 0
     assert "client 1's model" in capsys.readouterr().out
     description = json.loads(description_path(out).read_text())
-    # The description rebuilds the model (docs/experiments.md), the file fills it.
+    # The description rebuilds the model (docs/trained-models.md), the file fills it.
     model = build_model(description["model"], num_classes=description["num-classes"],
                         in_chans=description["in-chans"],
                         image_size=description["image-size"],

@@ -9,6 +9,7 @@ from fedspc_app.launch.runconfig import (
     check_resources,
     load_overrides,
     parse_assignments,
+    resolve_run_config,
 )
 
 
@@ -61,3 +62,14 @@ def test_simulation_resources_are_range_checked(clients, cpus, gpus, problem):
     with pytest.raises(ConfigError, match=problem):
         check_resources(clients, cpus, gpus)
     check_resources(1, 0.5, 0.25)  # fractional resources are fine
+
+
+def test_an_undeclared_x_key_is_refused_before_a_superlink_sees_it(tmp_path):
+    # A SuperLink refuses run-config keys the app does not declare; the launcher says
+    # so first, naming the key and where to declare it. Declared, it is kept.
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.flwr.app.config]\nseed = 0\n"x-level" = 1\n')
+    with pytest.raises(ConfigError, match=r"x-note .*not declared.*x-note = "):
+        resolve_run_config({"x-note": "a", "x-level": 2}, tmp_path)
+    merged, config = resolve_run_config({"x-level": 2}, tmp_path)
+    assert merged["x-level"] == 2 and dict(config.extra) == {"x-level": 2}

@@ -54,7 +54,17 @@ def absolute_paths(run_config: Mapping[str, Any]) -> dict[str, Any]:
 def resolve_run_config(overrides: Mapping[str, Any], app_dir: Path = APP_DIR
                        ) -> tuple[dict[str, Any], RunConfig]:
     """The app's defaults, then ``overrides``, paths absolute; and that, parsed and checked."""
-    defaults = absolute_paths({"output-dir": "results", **app_defaults(app_dir)})
+    declared = app_defaults(app_dir)
+    undeclared = sorted(key for key in overrides
+                        if str(key).startswith("x-") and key not in declared)
+    if undeclared:
+        # Flower's SuperLink refuses a run-config key the app does not declare.
+        raise ConfigError(
+            f"run-config key(s) {', '.join(undeclared)} are not declared in "
+            f"[tool.flwr.app.config] of {Path(app_dir) / 'pyproject.toml'}; a SuperLink "
+            f"refuses undeclared keys: add each there with a default (e.g. "
+            f"{undeclared[0]} = \"\") first")
+    defaults = absolute_paths({"output-dir": "results", **declared})
     merged = {**defaults, **absolute_paths(overrides)}
     return merged, parse_run_config(merged)
 
