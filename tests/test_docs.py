@@ -132,9 +132,10 @@ def shell_lines(block: Block) -> Iterator[tuple[int, str]]:
         yield first, pending
 
 
-def commands(block: Block) -> Iterator[tuple[int, list[str]]]:
+def commands(block: Block) -> Iterator[tuple[int, list[str], str]]:
     """Each shell command of a bash/sh/text block as words (prompt, comments and
-    leading ``VAR=value`` dropped; ``&&``, ``||``, ``;`` and ``|`` split)."""
+    leading ``VAR=value`` dropped; ``&&``, ``||``, ``;`` and ``|`` split), with the
+    line as written (continuations joined)."""
     if block.lang not in ("", "bash", "sh", "shell", "console", "text"):
         return
     for line_number, line in shell_lines(block):
@@ -151,15 +152,15 @@ def commands(block: Block) -> Iterator[tuple[int, list[str]]]:
                 while command and re.fullmatch(r"[A-Za-z_]\w*=.*", command[0]):
                     command.pop(0)
                 if command:
-                    yield line_number, command
+                    yield line_number, command, " ".join(line.split())
                 command = []
             else:
                 command.append(word)
 
 
-def all_commands() -> list[tuple[str, int, list[str]]]:
-    return [(block.page, number, words) for page in PAGES for block in blocks(page)
-            for number, words in commands(block)]
+def all_commands() -> list[tuple[str, int, list[str], str]]:
+    return [(block.page, number, words, text) for page in PAGES for block in blocks(page)
+            for number, words, text in commands(block)]
 
 
 # ------------------------------------------------------------------ commands parse
@@ -215,14 +216,14 @@ def dry_parse(kind: str, target: str, arguments: list[str]) -> str | None:
 
 def test_every_documented_command_parses():
     failures, checked = [], 0
-    for page, line, words in all_commands():
+    for page, line, words, text in all_commands():
         cli = project_cli(words)
         if cli is None:
             continue
         checked += 1
         problem = dry_parse(*cli)
         if problem:
-            failures.append(f"{known_breaks(page)}:{line}: {shlex.join(words)}\n    {problem}")
+            failures.append(f"{known_breaks(page)}:{line}: {text}\n    {problem}")
     assert checked >= 20, f"only {checked} commands found: is the extraction broken?"
     assert not failures, "commands that do not parse:\n" + "\n".join(failures)
 
@@ -264,10 +265,10 @@ def command_key_problems(words: list[str]) -> list[str]:
 
 def test_every_run_config_key_in_a_command_exists():
     failures, checked = [], 0
-    for page, line, words in all_commands():
+    for page, line, words, text in all_commands():
         if "--set" in words or "--run-config" in words:
             checked += 1
-        failures += [f"{known_breaks(page)}:{line}: {shlex.join(words)}\n    {problem}"
+        failures += [f"{known_breaks(page)}:{line}: {text}\n    {problem}"
                      for problem in command_key_problems(words)]
     assert checked >= 10, f"only {checked} commands with run-config values found"
     assert not failures, "\n".join(failures)
@@ -538,10 +539,11 @@ def test_the_code_layout_lists_every_module_and_only_files_that_exist():
                for p in (ROOT / folder).rglob("*.py")
                if p.name != "__init__.py" and "__pycache__" not in p.parts}
     missing = sorted(modules - listed)
-    gone = sorted(f"docs/extending.md:{entries[p]}: {p}" for p in entries
-                  if not (ROOT / p).exists())
-    assert not missing, f"docs/extending.md's code layout omits {missing}"
-    assert not gone, "the code layout names files that do not exist:\n" + "\n".join(gone)
+    problems = [f"docs/extending.md's code layout omits {path}" for path in missing]
+    problems += sorted(f"docs/extending.md:{line}: the code layout names {path}, which "
+                       "does not exist" for path, line in entries.items()
+                       if not (ROOT / path).exists())
+    assert not problems, "\n".join(problems)
 
 
 if __name__ == "__main__":
