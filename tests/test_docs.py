@@ -16,8 +16,9 @@ texts under docs/results/).
   (or its given ``run-name``), a grid's cells ``<method>[+fedspc]-a<alpha>-...`` lie
   inside the grid's folder, and a file named inside either is one a run or a grid
   writes; repository paths named in code (``conf/``, ``docs/results/``) exist;
-* docs/extending.md's code layout has a line for every module and no line for a
-  file that does not exist.
+* docs/extending.md's code layout has a line for every module and shell script of
+  fedspc_app/, strategies/, clients/, deploy/ and scripts/ (``__init__.py`` files are
+  their package's line), and no line for a file that does not exist.
 
 A failure names the page and line, as ``README.md:87``.
 """
@@ -522,7 +523,7 @@ def layout_entries() -> dict[str, int]:
         if not match or len(match.group(1)) >= 20:
             continue
         level = len(match.group(1)) // 2
-        names = re.match(r"( *)((?:[\w.]+/?)(?:, [\w.]+/?)*)(?:\s|$)", line).group(2)
+        names = re.match(r"( *)((?:[\w.-]+/?)(?:, [\w.-]+/?)*)(?:\s|$)", line).group(2)
         folders = folders[:level]
         for name in names.split(", "):
             path = "/".join([*folders, name.rstrip("/")])
@@ -534,9 +535,9 @@ def layout_entries() -> dict[str, int]:
 
 def test_the_code_layout_lists_every_module_and_only_files_that_exist():
     entries = layout_entries()
-    listed = {path for path in entries if path.endswith(".py")}
+    listed = {path for path in entries if path.endswith((".py", ".sh"))}
     modules = {str(p.relative_to(ROOT)) for folder in LAYOUT_FOLDERS
-               for p in (ROOT / folder).rglob("*.py")
+               for pattern in ("*.py", "*.sh") for p in (ROOT / folder).rglob(pattern)
                if p.name != "__init__.py" and "__pycache__" not in p.parts}
     missing = sorted(modules - listed)
     problems = [f"docs/extending.md's code layout omits {path}" for path in missing]
