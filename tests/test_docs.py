@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import re
 import runpy
@@ -186,8 +187,20 @@ def project_cli(words: list[str]) -> tuple[str, str, list[str]] | None:
 def dry_parse(kind: str, target: str, arguments: list[str]) -> str | None:
     """Run ``target`` up to its ``parse_args``: None when the arguments parse (or ask
     for ``--help``), else argparse's message. Nothing after the parse runs."""
-    if kind == "path" and not (ROOT / target).is_file():
-        return f"no script {target}"
+    if kind == "path":
+        source = ROOT / target
+    else:
+        spec = importlib.util.find_spec(target)
+        if spec is None or spec.origin is None:
+            return f"no module {target}"
+        source = Path(spec.origin)
+        if spec.submodule_search_locations:  # a package runs its __main__
+            source = source.with_name("__main__.py")
+    if not source.is_file():
+        return f"no script {target}" if kind == "path" else f"{target} cannot be run with -m"
+    if source.name != "__main__.py" and "parse_args(" not in source.read_text():
+        # Without an argparse parse to stop at, running it would do its work.
+        return f"{source.relative_to(ROOT)} has no argparse parser to check the arguments with"
     original = argparse.ArgumentParser.parse_args
 
     def parse_args(self, args=None, namespace=None):
