@@ -1,4 +1,4 @@
-"""The import graph follows the layers the README describes.
+"""The import graph follows the layers docs/extending.md (Code layout) describes.
 
 entry points (fedspc_app/*.py) -> fedspc_app/server/, strategies/, clients/ ->
 fedspc_app/training/ -> fedspc_app/models/ -> fedspc_app/data/ -> fedspc_app/core/;
