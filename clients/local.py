@@ -24,9 +24,9 @@ from torch.nn import functional as F
 from clients.state import ClientState
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.correction import add, reference_change, shared_update, zeros_like
+from fedspc_app.core.dp_mechanism import clip_update
 from fedspc_app.core.errors import DivergenceError
 from fedspc_app.core.methods import Method, Phase
-from fedspc_app.core.privacy import clip_update
 from fedspc_app.core.protocol import (
     EXAMPLES_SEEN,
     LOCAL_CORRECT,

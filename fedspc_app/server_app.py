@@ -31,10 +31,10 @@ from clients.durable import (
 from clients.held_out import fine_tuned_keys
 from clients.local import expected_shared_steps, keeps_client_state
 from fedspc_app.core.config import RunConfig, parse_run_config
+from fedspc_app.core.dp_mechanism import noise_std
 from fedspc_app.core.errors import ConfigError, FedSPCError
 from fedspc_app.core.files import folder_lock
 from fedspc_app.core.methods import Method, get_method
-from fedspc_app.core.privacy import noise_std
 from fedspc_app.core.protocol import ACCEPTED_ROUNDS, DEPLOYMENT, NUM_CLIENTS, RUN_NAME
 from fedspc_app.core.records import to_record
 from fedspc_app.data.datasets import ImageDataset
@@ -42,7 +42,7 @@ from fedspc_app.data.partition_files import save_partition
 from fedspc_app.data.run_data import DatasetShape, load_partition
 from fedspc_app.models.run_model import make_model, state_arrays
 from fedspc_app.models.split import ParameterSplit, parameter_split
-from fedspc_app.runs import privacy
+from fedspc_app.runs import dp_account
 from fedspc_app.runs.checkpoint import TRAINED, RoundRecords, fingerprint, resume_point
 from fedspc_app.runs.pause import RunPaused, clear_pause
 from fedspc_app.runs.provenance import provenance
@@ -406,15 +406,15 @@ def privacy_budget(config: RunConfig, recorder: RunRecorder) -> int:
         return config.num_rounds
 
     def account(rounds: int) -> float:
-        return privacy.epsilon(config.dp_noise_multiplier, config.fraction_train, rounds,
-                               config.dp_delta, config.dp_accountant)
+        return dp_account.epsilon(config.dp_noise_multiplier, config.fraction_train, rounds,
+                                  config.dp_delta, config.dp_accountant)
 
     recorder.dp_epsilon = account
     if not config.dp_target_epsilon:
         return config.num_rounds
-    allowed = privacy.rounds_within(config.dp_target_epsilon, config.dp_noise_multiplier,
-                                    config.fraction_train, config.dp_delta, config.num_rounds,
-                                    config.dp_accountant)
+    allowed = dp_account.rounds_within(config.dp_target_epsilon, config.dp_noise_multiplier,
+                                       config.fraction_train, config.dp_delta,
+                                       config.num_rounds, config.dp_accountant)
     if allowed == 0:
         raise ConfigError(f"dp-target-epsilon = {config.dp_target_epsilon:g} allows no round "
                           f"(one round already reaches ε {account(1):.3g})")
@@ -437,7 +437,7 @@ def privacy_entry(config: RunConfig, strategy: PersonalizedFedAvg, num_rounds: i
     return {
         "guarantee": "client-level (ε, δ)-differential privacy of the released shared "
                      "blocks and u_bar",
-        "adjacency": privacy.ADJACENCY,
+        "adjacency": dp_account.ADJACENCY,
         "accountant": f"dp_accounting {config.dp_accountant.upper()}, "
                       + ("Gaussian" if rate >= 1.0 else
                          f"Gaussian Poisson-sampled at q = {rate:g}") + " per round",

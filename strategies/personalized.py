@@ -35,8 +35,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
-from fedspc_app.core.errors import FedSPCError
-from fedspc_app.core.privacy import (
+from fedspc_app.core.dp_mechanism import (
     NOISE,
     add_noise,
     clip_update,
@@ -45,6 +44,7 @@ from fedspc_app.core.privacy import (
     secret_generator,
     update_norm,
 )
+from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.protocol import (
     ACCEPTED_ROUNDS,
     ARRAYS,
@@ -82,7 +82,7 @@ DP_SECRET = "dp-secret"  # the checkpoint's key of the privacy secret
 @dataclass(frozen=True)
 class Privacy:
     """Client-level differential privacy of the shared block
-    (:mod:`fedspc_app.core.privacy`).
+    (:mod:`fedspc_app.core.dp_mechanism`).
 
     Parameters
     ----------

@@ -18,7 +18,7 @@ cannot reply for another's partition (docs/robustness.md, "Reply checks").
 Under differential privacy (:attr:`PartitionSampler.secret` set) the training draw
 is Poisson sampling instead: each training partition independently with probability
 ``fraction``, from a generator of the server's secret and the round
-(:mod:`fedspc_app.core.privacy`), so that the run-config and the clients drawn in
+(:mod:`fedspc_app.core.dp_mechanism`), so that the run-config and the clients drawn in
 past rounds say nothing of who a round draws, and the privacy account's sampling rate
 is the sampler's. Evaluation draws stay seeded.
 
@@ -39,7 +39,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from fedspc_app.core.privacy import SAMPLE, secret_generator
+from fedspc_app.core.dp_mechanism import SAMPLE, secret_generator
 from fedspc_app.core.protocol import CONFIG, METRICS, NODE_QUERY, PARTITION_ID, QUERY
 from fedspc_app.core.replies import node_answer_schema, one_line
 

@@ -1,4 +1,4 @@
-"""The import graph follows the layers the README describes.
+"""The import graph follows the layers docs/extending.md (Code layout) describes.
 
 entry points (fedspc_app/*.py) -> fedspc_app/server/, strategies/, clients/ ->
 fedspc_app/training/ -> fedspc_app/models/ -> fedspc_app/data/ -> fedspc_app/core/;
@@ -125,32 +125,7 @@ def test_the_strategies_load_without_torch():
     assert out.strip() == "[]"
 
 
-# Import paths the documentation named before the layout split: each still gives the
-# same objects, with a DeprecationWarning naming the new home.
-FORMER_PATHS = {
-    "fedspc_app.core.models": ("fedspc_app.models.networks", ("build_model", "split_body_head")),
-    "fedspc_app.core.training": ("fedspc_app.training.loop", ("DriftCorrection",
-                                                              "ProximalTerm", "train_epochs")),
-}
-
-
-@pytest.mark.parametrize("old", sorted(FORMER_PATHS))
-def test_a_former_documented_path_still_gives_the_same_objects(old):
-    import importlib
-
-    new, names = FORMER_PATHS[old]
-    former, home = importlib.import_module(old), importlib.import_module(new)
-    for name in names:
-        with pytest.warns(DeprecationWarning, match=new):
-            assert getattr(former, name) is getattr(home, name)
-    with pytest.raises(AttributeError), pytest.warns(DeprecationWarning):
-        former.no_such_name  # noqa: B018
-
-
-def test_former_paths_are_only_aliases_and_no_module_is_over_700_lines():
+def test_no_module_is_over_700_lines():
     for module, path in modules():
         lines = len(path.read_text().splitlines())
         assert lines <= 700, f"{module}: {lines} lines"
-        if module in FORMER_PATHS:  # an alias imports only the forwarding helper
-            assert project_imports(path) <= {"fedspc_app.core.moved",
-                                             "fedspc_app.core.moved.forward"}

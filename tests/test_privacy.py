@@ -14,13 +14,13 @@ from inprocess import InProcessGrid, run_server
 from test_strategies import FakeGrid, arrays_of, f32, record, reply
 
 from fedspc_app import client_app
-from fedspc_app.core import privacy as mechanism
+from fedspc_app.core import dp_mechanism as mechanism
 from fedspc_app.core.config import parse_run_config
+from fedspc_app.core.dp_mechanism import add_noise, clip_update, noise_std, update_norm
 from fedspc_app.core.errors import ConfigError
-from fedspc_app.core.privacy import add_noise, clip_update, noise_std, update_norm
 from fedspc_app.core.protocol import ARRAYS, GLOBAL_REFERENCE
 from fedspc_app.core.records import from_record
-from fedspc_app.runs import privacy
+from fedspc_app.runs import dp_account
 from fedspc_app.training.loop import train_epochs
 from strategies import PersonalizedFedAvg, Privacy
 
@@ -106,17 +106,17 @@ def classic_epsilon(sigma: float, rounds: int, delta: float) -> float:
 
 @pytest.mark.parametrize("sigma,rounds", [(1.0, 1), (2.0, 20), (0.8, 5)])
 def test_the_account_of_full_participation_is_the_gaussian_mechanisms(sigma, rounds):
-    assert privacy.epsilon(sigma, 1.0, rounds, 1e-5) == pytest.approx(
+    assert dp_account.epsilon(sigma, 1.0, rounds, 1e-5) == pytest.approx(
         classic_epsilon(sigma, rounds, 1e-5), rel=1e-9)
 
 
 def test_sampling_amplifies_and_a_target_allows_the_rounds_that_stay_under_it():
-    full, sampled = (privacy.epsilon(1.0, q, 20, 1e-5) for q in (1.0, 0.3))
-    assert sampled < full and privacy.epsilon(0.0, 1.0, 1, 1e-5) == math.inf
-    allowed = privacy.rounds_within(5.0, 1.0, 0.3, 1e-5, 1000)
-    assert privacy.epsilon(1.0, 0.3, allowed, 1e-5) <= 5.0
-    assert privacy.epsilon(1.0, 0.3, allowed + 1, 1e-5) > 5.0
-    assert privacy.rounds_within(1e6, 1.0, 0.3, 1e-5, 7) == 7
+    full, sampled = (dp_account.epsilon(1.0, q, 20, 1e-5) for q in (1.0, 0.3))
+    assert sampled < full and dp_account.epsilon(0.0, 1.0, 1, 1e-5) == math.inf
+    allowed = dp_account.rounds_within(5.0, 1.0, 0.3, 1e-5, 1000)
+    assert dp_account.epsilon(1.0, 0.3, allowed, 1e-5) <= 5.0
+    assert dp_account.epsilon(1.0, 0.3, allowed + 1, 1e-5) > 5.0
+    assert dp_account.rounds_within(1e6, 1.0, 0.3, 1e-5, 7) == 7
 
 
 # ------------------------------------------------------------------ local steps
@@ -195,9 +195,9 @@ def test_the_account_is_reported_each_round_and_a_target_ends_the_run_early(tmp_
     dp = {"dp-clipping-norm": 0.5, "dp-noise-multiplier": 0.1, "num-rounds": 3}
     _, rounds = run(tmp_path, "eps", **dp)
     assert [r["dp-epsilon"] for r in rounds] == [
-        pytest.approx(privacy.epsilon(0.1, 1.0, t, 1e-5)) for t in (1, 2, 3)]
+        pytest.approx(dp_account.epsilon(0.1, 1.0, t, 1e-5)) for t in (1, 2, 3)]
     assert all(not r.get("failed") for r in rounds)
-    target = (privacy.epsilon(0.1, 1.0, 2, 1e-5) + privacy.epsilon(0.1, 1.0, 3, 1e-5)) / 2
+    target = (dp_account.epsilon(0.1, 1.0, 2, 1e-5) + dp_account.epsilon(0.1, 1.0, 3, 1e-5)) / 2
     _, rounds = run(tmp_path, "budget", **dp, **{"dp-target-epsilon": target})
     summary = json.loads((tmp_path / "budget" / "summary.json").read_text())
     assert len(rounds) == 2 and summary["complete"] and summary["rounds"] == 2

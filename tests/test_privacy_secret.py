@@ -17,14 +17,14 @@ from test_faults import run as fault_run
 from test_privacy import run
 from test_strategies import FakeGrid, arrays_of, f32, from_node, record, reply
 
-from fedspc_app.core import privacy as mechanism
+from fedspc_app.core import dp_mechanism as mechanism
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.methods import Method, Phase, get_method
 from fedspc_app.core.protocol import ARRAYS
 from fedspc_app.core.records import from_record
 from fedspc_app.models.split import ParameterSplit
-from fedspc_app.runs import privacy
+from fedspc_app.runs import dp_account
 from fedspc_app.server_app import build_strategy, private_steps
 from strategies import FedSPC, PersonalizedFedAvg, Privacy
 from strategies.personalized import DP_SECRET
@@ -311,7 +311,7 @@ def test_the_reported_epsilon_is_dp_accountings_for_the_sampling_used(tmp_path, 
     assert "Poisson" in config["sampling"] and config["expected-clients"] == pytest.approx(2.01)
     # Sampling amplifies, and the PLD account is the tighter one.
     assert rounds[-1]["dp-epsilon"] < independent_epsilon(0.8, 1.0, 3, 1e-5, accountant)
-    assert privacy.epsilon(0.8, 0.67, 3, 1e-5, "pld") < privacy.epsilon(0.8, 0.67, 3, 1e-5)
+    assert dp_account.epsilon(0.8, 0.67, 3, 1e-5, "pld") < dp_account.epsilon(0.8, 0.67, 3, 1e-5)
 
 
 def test_an_unknown_accountant_is_refused():

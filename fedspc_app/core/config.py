@@ -214,8 +214,8 @@ class RunConfig:
     # that would end after it (runs/pause.py); "" = none
     stop_by: str = ""
 
-    # Client-level differential privacy of the shared block (core/privacy.py; its
-    # account: runs/privacy.py)
+    # Client-level differential privacy of the shared block (the mechanism:
+    # core/dp_mechanism.py; its account: runs/dp_account.py)
     dp_clipping_norm: float = 0.0
     dp_noise_multiplier: float = 0.0
     dp_clipping: str = "client"

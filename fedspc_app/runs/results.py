@@ -52,7 +52,7 @@ DRIFT_COLUMNS = ("update-norm", "client-update-norm", "drift-dispersion", "updat
 DRIFT_PER_CLIENT = ("client-update-norms", "client-update-cosines")
 # Seconds the server took to write a round's checkpoint after its aggregation.
 CHECKPOINT_SECONDS = "checkpoint-seconds"
-# evaluate-server: the server's model on the whole test set (fedspc_app/server_eval.py).
+# evaluate-server: the server's model on the whole test set (fedspc_app/server/evaluation.py).
 SERVER_COLUMNS = ("server-accuracy", "server-loss", "server-evaluate-seconds")
 # held-out-clients: the clients that never trained, tested after their fine-tuning
 # (strategies/personalized.py): their mean accuracy, weighted accuracy and loss.

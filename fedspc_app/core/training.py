@@ -1,7 +1,0 @@
-"""Former path of the training loop and its hooks, kept so that code written against it still
-runs: every name is looked up in :mod:`fedspc_app.training.loop`, its home now, with a
-DeprecationWarning. New code imports from there."""
-
-from fedspc_app.core.moved import forward
-
-__getattr__ = forward(__name__, "fedspc_app.training.loop")
