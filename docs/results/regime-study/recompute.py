@@ -4,6 +4,9 @@ Run from the repository root (plain Python, numpy only, a second or two):
 
     python docs/results/regime-study/recompute.py
 
+(``--readme`` instead writes the table of the top-level README's "When does FedSPC
+help?" between its ``<!-- when-table:begin -->`` and ``<!-- when-table:end -->`` lines.)
+
 Every number that README.md (in this folder) quotes in its tables and its
 "Reading" section and that the committed runs can give is recomputed here, grouped
 by the claim it supports, so the text can be held against it:
@@ -29,12 +32,20 @@ by the claim it supports, so the text can be held against it:
   the count of cells behind the caveats of its p;
 * FedRep on the CNN in every committed setting, with its seeds and the 2-point rule;
 * which build of the app made each run, from the app hashes in the grids' logs
-  (config.json of these runs records no code version): pairs made by two builds,
-  runs that changed build mid-run, every run started more than once;
+  (config.json records a code version only for the runs made since it could: the
+  ResNet-18, ResNet-34 E = 5 and 50-round grids among the study's): pairs made by two
+  builds, runs that changed build mid-run, every run started more than once;
+* what config.json records per grid: how many runs record their code version, and the
+  precision the runs trained in;
+* the ResNet grids run by run: accuracy, wall time, code version (clean or dirty),
+  segments, machine, each round's seconds, the shared block's dispersion range;
 * round records left incomplete (a round resumed between training and evaluation);
 * the wall times of the READMEs' tables against summary.json;
-* each row of the top-level README's "When does FedSPC help?" table (per-seed Δ,
-  mean ± SD, the seed-mean curve's rounds ahead / behind);
+* the top-level README's "When does FedSPC help?" table, rendered from the runs
+  (per-seed Δ with its flags: two builds, resumed, an evaluation-only round, no
+  recorded code version; mean ± SD, the horizon, the seed-mean curve's rounds ahead /
+  behind) and held against the README's block between its when-table markers
+  (``--readme`` rewrites that block);
 * LG-FedAvg and FedRep at E = 5 over 30 rounds (P12, P13): Δ every five rounds, the
   rounds ahead / behind, the mean over rounds 21-30 with its seed spread, and the
   first ten rounds against the committed 10-round runs of the same seed (another
@@ -372,6 +383,9 @@ def main():
     builds(pairs)
     records()
     wall_times()
+    recorded()
+    grid_runs()
+    resnet34_e5()
     readme_table()
     predictions()
 
@@ -421,7 +435,7 @@ def e5_rerun():
 
 
 # ------------------------------------------------------------ which build made a run
-# config.json of the runs committed here records no code version. What the logs hold:
+# config.json of most runs committed here records no code version. What the logs hold:
 # each start of a run ("=== <run> | <time> ..."), the SuperLink it used, and, the first
 # time a build of the app is installed into that invocation's Flower home, the line
 # "Successfully installed fedspc to .../apps/fedspc.fedspc.<version>.<hash>" (the first
@@ -479,7 +493,7 @@ def _builds(segs) -> str:
 
 def builds(pairs):
     """Per pair: the build of each run (from the logs), and whether the pair is one build."""
-    header("Which build made each run (app hashes in the grids' logs; config.json records none)")
+    header("Which build made each run (app hashes in the grids' logs)")
     runs = log_segments()
     specs = [(p.name(), (spec[2], spec[3]), (spec[6] if len(spec) > 6 and spec[6] else spec[2],
                                              spec[4] if len(spec) > 4 and spec[4] else twin(spec[3])))
@@ -799,60 +813,232 @@ def _verdict(ok: bool | None) -> str:
     return "waits for three seeds" if ok is None else "HIT" if ok else "MISS"
 
 
-# The rows of the top-level README's "When does FedSPC help?" table: (model, the
-# method named in the shared-block column, E) -> the pair of each seed 0, 1, 2 as
-# (grid, Base, +FedSPC, grid of the +FedSPC run).
+# ------------------------------------------------------------ what config.json records
+def run_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def code_of(config: dict) -> str:
+    """The code version a run's config.json records, in the grids' READMEs' words."""
+    code = config.get("code")
+    if not code:
+        return "not recorded"
+    return (f"git {code['git-commit'][:8]}, source {code['source-sha256'][:8]},"
+            f" {'dirty' if code['dirty'] else 'clean'}")
+
+
+def precision_of(config: dict) -> str:
+    """The precision a run trained in: the resolved one where config.json records it,
+    else the run-config's setting; a run-config without the key predates the option
+    (fp32 was the only precision then)."""
+    rc = config.get("run-config", {})
+    rec = config.get("precision")
+    value = (rec.get("resolved") if isinstance(rec, dict) else None) or rc.get("precision")
+    if value in (None, "auto"):
+        value = "fp32 (before the precision option)" if value is None else "auto, not resolved"
+    return value + (" + channels-last" if rc.get("channels-last") else "")
+
+
+def recorded():
+    """Per grid: how many runs' config.json records the code version, and the precision
+    the runs trained in."""
+    header("What config.json records, per grid: code version (runs with it / runs), precision")
+    total, with_code = 0, 0
+    for grid in sorted(d for d in RESULTS.iterdir() if d.is_dir()):
+        runs = sorted(r for r in grid.iterdir() if (r / "config.json").is_file())
+        if not runs:
+            continue
+        configs = [run_config(r) for r in runs]
+        coded = [r.name for r, c in zip(runs, configs) if c.get("code")]
+        precisions = sorted({precision_of(c) for c in configs})
+        codes = sorted({code_of(c) for c in configs if c.get("code")})
+        total += len(runs)
+        with_code += len(coded)
+        print(f"{grid.name:32s} {len(coded):2d} / {len(runs):2d} with a code version"
+              f"{' (' + '; '.join(codes) + ')' if codes else ''}; precision {', '.join(precisions)}")
+        dirty = [r.name for r, c in zip(runs, configs) if c.get("code", {}).get("dirty")]
+        if dirty and len(dirty) < len(coded):
+            print(f"{'':32s} dirty: {', '.join(dirty)}; clean:"
+                  f" {', '.join(n for n in coded if n not in dirty)}")
+    print(f"{with_code} of the {total} committed runs record their code version in config.json")
+
+
+def _seconds(w: float) -> str:
+    w = int(round(w))
+    return f"{w // 3600}:{w % 3600 // 60:02d}:{w % 60:02d}" if w >= 3600 else f"{w // 60}:{w % 60:02d}"
+
+
+RESNET_GRIDS = ("cpu-cifar100-resnet18-depth", DEPTH, "cpu-cifar100-resnet34-e5", LONG)
+
+
+def grid_runs():
+    """Each run of the ResNet grids, as their READMEs' tables and machine notes give it:
+    the last round's accuracy, wall time, code version, segments, machine, the seconds
+    of each round, and the shared block's update dispersion over rounds 2 to the last."""
+    header("ResNet grids, run by run (config.json, summary.json, metrics.json, logs)")
+    segments = log_segments()
+    for grid in RESNET_GRIDS:
+        for run in sorted(r for r in (RESULTS / grid).iterdir() if (r / "summary.json").is_file()):
+            config, summary = run_config(run), json.loads((run / "summary.json").read_text())
+            rounds = json.loads((run / "metrics.json").read_text())["rounds"]
+            segs = segments.get((grid, run.name), [])
+            starts = ", ".join(str(s["resumed"] + 1) for s in segs) or "no log"
+            disp = [r["drift-dispersion"] for r in rounds
+                    if r["round"] >= 2 and r.get("drift-dispersion") is not None]
+            low = min(range(len(disp)), key=disp.__getitem__) + 2 if disp else None
+            print(f"{grid}/{run.name}: round {summary['final-round']}"
+                  f" {100 * summary['final-accuracy']:.2f} %, wall {_seconds(summary['wall-seconds'])};"
+                  f" {code_of(config)}; resumed-after-round {config.get('resumed-after-round')};"
+                  f" segments from rounds {starts}; machine"
+                  f" {config.get('machine', {}).get('cpu', 'not recorded')}")
+            print("    seconds a round: " + " ".join(f"r{r['round']} {r['round-seconds']:.0f}"
+                                                     for r in rounds))
+            if disp:
+                print(f"    dispersion rounds 2-{rounds[-1]['round']}: {min(disp):.2f}-{max(disp):.2f}"
+                      f" (mean {np.mean(disp):.2f}; lowest at round {low}, last {disp[-1]:.2f})")
+
+
+def resnet34_e5():
+    """The ResNet-34 E = 5 pairs round by round: Δ each round, the clients ahead /
+    behind at the last round with their range, accuracy before aggregation there."""
+    header("ResNet-34 at E = 5, pair by pair: Δ each round, clients, accuracy before aggregation")
+    for pid in ("P6", "P9", "P10"):
+        for p in cell_pairs(CELLS[pid])[0]:
+            d = p.diff()
+            client = {k: p.spc["clients"][k] - v for k, v in p.base["clients"].items()}
+            ahead, behind = p.clients()
+            before = (f"; before aggregation at round {p.last} {p.spc['before'][p.last]:.2f} vs"
+                      f" {p.base['before'][p.last]:.2f}" if p.last in p.base["before"] else "")
+            print(f"{pid} {p.method} s{p.seed}: Δ " + ", ".join(f"r{r} {f(v)}" for r, v in d.items())
+                  + f"; clients ahead / behind {ahead} / {behind} ({min(client.values()):+.2f} to"
+                  f" {max(client.values()):+.2f}){before}")
+
+
+# ------------------------------------------------------------ the README's table
+# The rows of the top-level README's "When does FedSPC help?" table, in its order:
+# (model, the shared block's words, E) -> the pair of each seed 0, 1, 2 as (grid, Base,
+# +FedSPC, grid of the +FedSPC run). A row is rendered once all three pairs are complete.
 README_CELLS = {
-    ("small CNN", "FedRep", 1): [("cpu-cifar100-cnn-mismatch", "fedrep", None, None),
-                                 ("cpu-cifar100-cnn-seeds", "fedrep-s1", None, None),
-                                 ("cpu-cifar100-cnn-seeds", "fedrep-s2", None, None)],
-    ("small CNN", "LG-FedAvg", 1): [("cpu-cifar100-cnn-mismatch", "lgfedavg", None, None),
-                                    ("cpu-cifar100-cnn-seeds", "lgfedavg-s1", None, None),
-                                    ("cpu-cifar100-cnn-seeds", "lgfedavg-s2", None, None)],
-    ("small CNN", "LG-FedAvg", 5): [("cpu-cifar100-cnn-e5", "lgfedavg", None, None),
-                                    ("cpu-cifar100-cnn-e5-seeds", "lgfedavg-s1", None, None),
-                                    ("cpu-cifar100-cnn-e5-seeds", "lgfedavg-s2", None, None)],
-    ("ResNet-34", "FedRep", 1): CELLS["P3"],
-    ("ResNet-34", "LG-FedAvg", 1): CELLS["P4"],
-    ("ResNet-18", "FedRep", 1): CELLS["P8"],
-    ("ResNet-34", "FedRep", 5): [("cpu-cifar100-resnet34-e5", f"fedrep-s{s}", None, None)
-                                 for s in (0, 1, 2)],
+    ("small CNN", "body (FedRep)", 1): [("cpu-cifar100-cnn-mismatch", "fedrep", None, None),
+                                       ("cpu-cifar100-cnn-seeds", "fedrep-s1", None, None),
+                                       ("cpu-cifar100-cnn-seeds", "fedrep-s2", None, None)],
+    ("small CNN", "head (LG-FedAvg)", 1): [("cpu-cifar100-cnn-mismatch", "lgfedavg", None, None),
+                                           ("cpu-cifar100-cnn-seeds", "lgfedavg-s1", None, None),
+                                           ("cpu-cifar100-cnn-seeds", "lgfedavg-s2", None, None)],
+    ("small CNN", "head (LG-FedAvg)", 5): [("cpu-cifar100-cnn-e5", "lgfedavg", None, None),
+                                           ("cpu-cifar100-cnn-e5-seeds", "lgfedavg-s1", None, None),
+                                           ("cpu-cifar100-cnn-e5-seeds", "lgfedavg-s2", None, None)],
+    ("ResNet-34, ¼ width", "body (FedRep)", 1): CELLS["P3"],
+    ("ResNet-34, ¼ width", "body (FedRep)", 5): [("cpu-cifar100-resnet34-e5", f"fedrep-s{s}", None, None)
+                                                for s in (0, 1, 2)],
+    ("ResNet-34, ¼ width", "head (LG-FedAvg)", 1): CELLS["P4"],
+    ("ResNet-34, ¼ width", "head (LG-FedAvg)", 5): CELLS["P10"],
+    ("ResNet-18, ¼ width", "body (FedRep)", 1): CELLS["P8"],
 }
+# The flags a reader needs beside a seed's Δ, with the legend's words.
+FLAGS = {
+    "b": "the pair was made by two builds of the app",
+    "r": "a run of the pair was paused and resumed",
+    "e": "a run of the pair has a round that was only evaluated after a resume",
+    "n": "config.json records no code version (the logs give the app's hash)",
+    "u": "the logs cannot tell which build made the pair",
+}
+SUPERSCRIPT = {"b": "ᵇ", "r": "ʳ", "e": "ᵉ", "n": "ⁿ", "u": "ᵘ"}
+README = RESULTS.parents[1] / "README.md"
+BEGIN, END = "<!-- when-table:begin -->", "<!-- when-table:end -->"
+
+
+def _evaluation_only(path: Path) -> list:
+    """Rounds recorded with under a tenth of the run's usual bytes received and no
+    failure: trained before a stop, only evaluated by the resumed run."""
+    rounds = json.loads((path / "metrics.json").read_text())["rounds"]
+    received = sorted(r.get("bytes-received", 0) for r in rounds)
+    usual = received[len(received) // 2]
+    return [r["round"] for r in rounds
+            if not r.get("failed") and r.get("bytes-received", 0) < usual / 10]
+
+
+def pair_flags(grid, base, spc, spc_grid, segments=None) -> str:
+    """The flags of one pair (letters of FLAGS), from config.json, metrics.json and logs."""
+    segments = log_segments() if segments is None else segments
+    keys = [(grid, base), (spc_grid or grid, spc or twin(base))]
+    paths = [RESULTS / g / r for g, r in keys]
+    configs = [run_config(p) for p in paths]
+    flags = ""
+    codes = [c.get("code") for c in configs]
+    apps = [s["app"] for k in keys for s in segments.get(k, [])]
+    # A build is known from config.json where both runs record it, else from the logs.
+    unknown = not all(codes) and (not apps or any(a.startswith(("one of", "?")) for a in apps))
+    two = (all(codes) and len({(c["git-commit"], c["source-sha256"]) for c in codes}) > 1) or (
+        not unknown and len({a for a in apps if not a.startswith(("one of", "?"))}) > 1)
+    flags += "b" if two else ""
+    if any(c.get("resumed-after-round") or len(segments.get(k, [])) > 1
+           for c, k in zip(configs, keys)):
+        flags += "r"
+    flags += "e" if any(_evaluation_only(p) for p in paths) else ""
+    flags += "n" if not all(codes) else ""
+    flags += "u" if unknown else ""
+    return flags
+
+
+def _minus(text: str) -> str:
+    return text.replace("-", "−")
+
+
+def when_table() -> str:
+    """The README's "When does FedSPC help?" table, rendered from the runs: per cell the
+    horizon, Δ at the last round (mean ± sample SD, then each seed's Δ with its flags)
+    and the seed-mean curve's rounds ahead / behind; a legend of the flags used."""
+    segments = log_segments()
+    lines = ["| Model | Shared block | E | α | Rounds | Δ ± SD (seeds 0, 1, 2) | Rounds ahead / behind |",
+             "|---|---|---:|---:|---:|---|---:|"]
+    used = set()
+    for (model, block, epochs), specs in README_CELLS.items():
+        pairs, missing = cell_pairs(specs)
+        if missing or len(pairs) < 3:
+            continue
+        _, _, finals, sd, (a, b) = seed_group(pairs, pairs[0].method, "cell")
+        alphas = {run_config(RESULTS / spec[0] / spec[1])["run-config"]["alpha"] for spec in specs}
+        seeds = []
+        for p, spec in zip(pairs, specs):
+            flags = pair_flags(*spec, segments=segments)
+            used |= set(flags)
+            seeds.append(f(p.final()) + "".join(SUPERSCRIPT[x] for x in flags))
+        lines.append(f"| {model} | {block} | {epochs} | {'/'.join(f'{x:g}' for x in sorted(alphas))}"
+                     f" | {pairs[0].last} | {_minus(f(float(np.mean(finals))))} ± {sd:.2f}"
+                     f" ({_minus(', '.join(seeds))}) | {a} / {b} |")
+    legend = "; ".join(f"{SUPERSCRIPT[x]} {FLAGS[x]}" for x in FLAGS if x in used)
+    return "\n".join(lines) + ("\n\n" + legend[0].upper() + legend[1:] + "." if legend else "")
+
+
+def readme_block(text: str) -> str:
+    """The text between the README's when-table markers (stripped)."""
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"README.md has no {BEGIN} ... {END} markers around the"
+                         f" 'When does FedSPC help?' table")
+    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+
+
+def write_readme_table():
+    """Replace the README's block between the markers with the rendered table."""
+    text = README.read_text()
+    readme_block(text)
+    head, rest = text.split(BEGIN, 1)
+    README.write_text(head + BEGIN + "\n" + when_table() + "\n" + END + rest.split(END, 1)[1])
 
 
 def readme_table():
-    """Each row of the README's "When does FedSPC help?" table against the runs: the
-    per-seed Δ, mean ± SD and the seed-mean curve's rounds ahead / behind."""
-    header("README.md, 'When does FedSPC help?': each row against the runs")
-    text = (RESULTS.parents[1] / "README.md").read_text()
-    start = text.index("### When does FedSPC help?")
-    checked, off = 0, 0
-    for line in text[start:].split("\n\n")[2].splitlines()[2:]:
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        method = re.search(r"\((\S+)\)", cells[1]).group(1)
-        key = next((k for k in README_CELLS
-                    if cells[0].startswith(k[0]) and k[1] == method
-                    and k[2] == int(cells[2].split()[0])),
-                   None)
-        if key is None:
-            print(f"no runs known for the row: {line}")
-            off += 1
-            continue
-        pairs, missing = cell_pairs(README_CELLS[key])
-        if missing:
-            print(f"{' / '.join(map(str, key))}: runs missing ({', '.join(missing)})")
-            off += 1
-            continue
-        _, _, finals, sd, (a, b) = seed_group(pairs, pairs[0].method, "cell")
-        mean = f(float(np.mean(finals)))
-        wanted = (f"{mean} ± {sd:.2f} ({', '.join(f(d) for d in finals)})", f"{a} / {b}")
-        quoted = (cells[4].replace("−", "-"), cells[5])
-        checked += 1
-        if quoted != wanted:
-            off += 1
-            print(f"{' / '.join(map(str, key))}: quoted {' | '.join(quoted)}, runs give"
-                  f" {' | '.join(wanted)}")
-    print(f"{checked} rows checked, {off} differ or lack runs")
+    """The README's "When does FedSPC help?" table against the one the runs give."""
+    header("README.md, 'When does FedSPC help?': the table the runs give, and the README's block")
+    table = when_table()
+    print(table)
+    try:
+        block = readme_block(README.read_text())
+    except ValueError as err:
+        print(err)
+        return
+    print("README.md's block " + ("matches" if block == table else
+                                  "DIFFERS (python docs/results/regime-study/recompute.py --readme rewrites it)"))
 
 
 def predictions():
@@ -918,6 +1104,7 @@ def predictions():
               f" -> {scored}{' so far' if missing else ''}")
     print("P7: the correction lowers the shared block's update dispersion in rounds 2-10, and"
           " +FedSPC's train loss is higher in at least 90 % of the rounds after the first")
+    scored = {"P7": [], "P8": [], "later": []}
     for pid in ("P3", "P4", "P5", "P6", "P8", "P9", "P10", "P11", "P12", "P13"):
         if pid == "P9":
             print("  P7's rule on the ResNet-34 pairs written after it (not part of P7's score):")
@@ -925,9 +1112,17 @@ def predictions():
             db, ds_ = wmean(p.base["disp"], 2, 10), wmean(p.spc["disp"], 2, 10)
             h, _, n = p.loss_higher()
             ok = ds_ < db and h >= 0.9 * n
+            scored["P7" if pid in ("P3", "P4", "P5", "P6") else pid if pid == "P8" else "later"].append(ok)
             print(f"  {pid} {p.method} s{p.seed}: dispersion rounds 2-10 {db:.2f} -> {ds_:.2f};"
                   f" train loss higher in {h} of {n} rounds -> {_verdict(ok)}")
+    print("  P7 hits on {} of the {} ResNet-34 pairs it covers (P3-P6); its rule holds on {} of the"
+          " {} ResNet-18 pairs (P8) and {} of the {} ResNet-34 pairs written after it".format(
+              *(x for k in ("P7", "P8", "later") for x in (sum(scored[k]), len(scored[k])))))
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+    if sys.argv[1:] == ["--readme"]:
+        write_readme_table()
+    else:
+        main()
