@@ -80,7 +80,9 @@ class WandbLog:
     def write(self, row: Mapping[str, Any]) -> None:
         """Log one round row at step = its round."""
         if self.run is not None:
-            self.run.log(dict(round_scalars(row)), step=int(row["round"]))
+            # commit: the round's row is complete, so it goes to W&B now rather than
+            # waiting for the next step or for finish() to write it.
+            self.run.log(dict(round_scalars(row)), step=int(row["round"]), commit=True)
 
     def finish(self, summary: Mapping[str, Any]) -> None:
         """Set the run's summary (summary.json) and close it."""
@@ -93,6 +95,10 @@ class WandbLog:
         if self.run is not None:
             self.run.finish()
             self.run = None
+            # finish() can return before W&B's service process has written the last
+            # records to the offline run file; shutting the service down waits for it,
+            # so the files are complete when the run ends (the next init starts one).
+            wandb_module().teardown()
 
 
 def _read_id(path: Path) -> str | None:
