@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord
+from test_faults import broadcast
 from test_privacy import run
 from test_privacy_secret import crash_and_resume, secrets_from
 from test_replies import metrics_of
@@ -20,7 +21,8 @@ from fedspc_app.core import dp_mechanism as mechanism
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.methods import get_method
-from fedspc_app.core.protocol import CLIPPING_NORM, WITHIN_CLIPPING_NORM
+from fedspc_app.core.protocol import ARRAYS, CLIPPING_NORM, WITHIN_CLIPPING_NORM
+from fedspc_app.core.records import from_record
 from fedspc_app.models.split import ParameterSplit
 from fedspc_app.runs import dp_account
 from fedspc_app.server_app import build_strategy
@@ -321,7 +323,18 @@ def test_a_run_with_adaptive_clipping_reports_c_t_and_the_fixed_c_account(tmp_pa
         assert norms[t + 1] == pytest.approx(norms[t] * math.exp(-0.5 * (fractions[t] - 0.5)))
     sent = [m.content.config_records["config"][CLIPPING_NORM] for m in grid.sent
             if m.metadata.message_type == "train"]
-    assert sorted(set(sent)) == sorted(set(norms))  # the clients clipped to C_t
+    assert sorted(set(sent)) == sorted(set(norms))
+    # Each client clipped to the round's C_t, and its bit says whether it had to.
+    replies = [r for r in grid.replies if r.metadata.message_type == "train"]
+    assert len(replies) == 3 * 3
+    for server_round, norm in enumerate(norms, 1):
+        start = broadcast(grid, server_round)
+        for message in replies[3 * (server_round - 1):3 * server_round]:
+            final = from_record(message.content.array_records[ARRAYS])
+            moved = mechanism.update_norm(final, start, list(start))
+            bit = message.content.metric_records["metrics"][WITHIN_CLIPPING_NORM]
+            assert moved <= norm * (1 + 1e-5)
+            assert bit == 1 or moved == pytest.approx(norm, rel=1e-4)
     # The account is the fixed-C run's of multiplier σ (the noise was split).
     assert [r["dp-epsilon"] for r in rounds] == [
         pytest.approx(dp_account.epsilon(0.2, 1.0, t, 1e-5), rel=1e-12) for t in (1, 2, 3)]
