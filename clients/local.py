@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from clients.state import ClientState
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.correction import add, reference_change, shared_update, zeros_like
-from fedspc_app.core.dp_mechanism import clip_update
+from fedspc_app.core.dp_mechanism import clip_update, update_norm
 from fedspc_app.core.errors import DivergenceError
 from fedspc_app.core.methods import Method, Phase
 from fedspc_app.core.protocol import (
@@ -35,6 +35,7 @@ from fedspc_app.core.protocol import (
     ROUNDS_TRAINED,
     SHARED_STEPS,
     TRAIN_LOSS,
+    WITHIN_CLIPPING_NORM,
 )
 from fedspc_app.core.records import ArrayDict
 from fedspc_app.models.run_model import load_arrays, state_arrays
@@ -253,7 +254,11 @@ def train_client(
             examples_seen += result.examples
 
     final_shared = state_arrays(model, split.shared)
+    clipping = {}
     if config.dp and config.dp_clipping == "client":
+        if config.dp_clipping_quantile > 0:  # adaptive clipping: b_k = 1[‖Δ_k‖ ≤ C_t]
+            norm = update_norm(final_shared, received, split.corrected)
+            clipping = {WITHIN_CLIPPING_NORM: int(norm <= config.dp_clipping_norm)}
         # Clipped before u_k is staged: u_k follows the update the server sees.
         final_shared = clip_update(final_shared, received, split.corrected,
                                    config.dp_clipping_norm)
@@ -288,6 +293,7 @@ def train_client(
         EXAMPLES_SEEN: int(examples_seen),
         ROUNDS_TRAINED: new_state.rounds_trained,
         **local,
+        **clipping,
     }
     return TrainOutcome(final_shared, new_state, shared_steps, change, metrics)
 

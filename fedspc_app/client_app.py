@@ -32,6 +32,7 @@ from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.protocol import (
     ACCEPTED_ROUNDS,
     ARRAYS,
+    CLIPPING_NORM,
     CONFIG,
     CORRECT,
     DEPLOYMENT,
@@ -165,6 +166,13 @@ class ClientSetup:
                 raise FedSPCError(f"the round's '{ROUND_LEARNING_RATE}' must be a positive "
                                   f"finite number, got {round_rate!r}")
             config = config.replace(learning_rate=float(round_rate))
+        round_norm = message_config(message).get(CLIPPING_NORM)
+        if round_norm is not None:  # adaptive clipping: this round's C_t, clip to it
+            if (isinstance(round_norm, bool) or not isinstance(round_norm, (int, float))
+                    or not math.isfinite(round_norm) or round_norm <= 0):
+                raise FedSPCError(f"the round's '{CLIPPING_NORM}' must be a positive "
+                                  f"finite number, got {round_norm!r}")
+            config = config.replace(dp_clipping_norm=float(round_norm))
         apply_determinism(config.deterministic)
         method = get_method(config.method)
         partition_id, num_partitions = node_partition(message, context)

@@ -112,12 +112,27 @@ def build_strategy(config: RunConfig, method: Method, split: ParameterSplit,
         expected_counts=expected,
         privacy=(Privacy(config.dp_clipping_norm, config.dp_noise_multiplier,
                          private_steps(method, config, split, train_sizes),
-                         clip_on_server=config.dp_clipping == "server")
+                         clip_on_server=config.dp_clipping == "server",
+                         clipping_quantile=config.dp_clipping_quantile,
+                         clipping_lr=config.dp_clipping_lr,
+                         count_stddev=config.dp_clipped_count_stddev,
+                         reference_smoothing=config.dp_reference_smoothing)
                  if config.dp else None),
         learning_rates=(round_learning_rates(config) if config.lr_schedule != "constant"
                         else None),
         held_out_clients=config.held_out_clients,
     )
+    try:
+        return _strategy(config, method, split, common)
+    except ValueError as error:  # adaptive clipping: σ_b too small for σ at this q·K
+        if config.dp_clipping_quantile > 0 and "σ_b" in str(error):
+            raise ConfigError(f"run-config 'dp-clipped-count-stddev': {error}") from None
+        raise
+
+
+def _strategy(config: RunConfig, method: Method, split: ParameterSplit,
+              common: dict[str, Any]):
+    """:func:`build_strategy`'s strategy from its ``common`` arguments."""
     if method.control_variates or config.fedspc:
         if config.aggregation == "krum":
             log(WARNING, "aggregation 'krum' with FedSPC: u_bar follows one client's "
@@ -453,7 +468,29 @@ def privacy_entry(config: RunConfig, strategy: PersonalizedFedAvg, num_rounds: i
         "clipping-norm": config.dp_clipping_norm, "clipping": config.dp_clipping,
         "noise-multiplier": config.dp_noise_multiplier, "delta": config.dp_delta,
         "local-steps": config.local_steps, "shared-steps": strategy.privacy.steps,
-        "rounds": num_rounds, "shared-keys-released": list(split.corrected)}
+        "rounds": num_rounds, "shared-keys-released": list(split.corrected),
+        **adaptive_entry(config, strategy)}
+
+
+def adaptive_entry(config: RunConfig, strategy: PersonalizedFedAvg) -> dict[str, Any]:
+    """config.json's ``privacy`` on adaptive clipping and u_bar's smoothing (none when
+    both are off)."""
+    release, out = strategy.release, {}
+    if release.privacy.adaptive:
+        out["adaptive-clipping"] = {
+            "target-quantile": config.dp_clipping_quantile,
+            "learning-rate": config.dp_clipping_lr, "initial-clipping-norm":
+            config.dp_clipping_norm, "count-stddev": release.count_stddev,
+            "update-noise-multiplier": release.update_multiplier,
+            "estimator": "C_{t+1} = C_t exp(−η_C (b̃ − γ)), b̃ = 1/2 + (Σ (b_k − 1/2) + "
+                         "N(0, σ_b²)) / (q·K); the update's noise σ_Δ C_t with σ_Δ = "
+                         "(σ^−2 − (2σ_b)^−2)^(−1/2): one Gaussian mechanism of "
+                         "multiplier σ a round, as accounted"}
+        out["noise-std"] = noise_std(release.update_multiplier, config.dp_clipping_norm,
+                                     strategy.expected_clients)
+    if config.dp_reference_smoothing > 0:
+        out["reference-smoothing"] = config.dp_reference_smoothing
+    return out
 
 
 def client_state_folder(config: RunConfig) -> Path:

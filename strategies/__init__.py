@@ -9,8 +9,9 @@
 """
 
 from strategies.aggregation import AggregationRule, mean_arrays
+from strategies.dp_release import Privacy
 from strategies.fedspc import FedSPC
-from strategies.personalized import PersonalizedFedAvg, Privacy, RoundReport
+from strategies.personalized import PersonalizedFedAvg, RoundReport
 from strategies.rounds import TooManyFailedRounds, run_rounds
 from strategies.server_optimizer import ServerOptimizer
 

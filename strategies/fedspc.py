@@ -41,7 +41,11 @@ aggregate only: every client takes the same public number of steps E, and the
 server releases ``Delta~ = (sum_k Delta theta_k + noise) / (qK)``, so the sum of the
 changes ``-m u_bar - sum_k Delta theta_k / (E eta)`` is estimated as
 ``-qK u_bar - qK Delta~/(E eta)``, with the expected count qK (public) for m:
-post-processing of what is released (the clients' u_k follow Algorithm 1).
+post-processing of what is released (the clients' u_k follow Algorithm 1). With
+``reference_smoothing`` = beta > 0 (``dp-reference-smoothing``) u_bar is then
+``beta u_bar^t + (1 - beta) u_bar^{t+1}``, an exponential average over rounds that
+damps the release's noise in u_bar (docs/privacy.md derives by how much, and the lag
+it adds).
 
 With ``robust-norm-bound = "median"`` a robust rule first scales each update to at
 most the round's median update norm (:meth:`AggregationRule.bound_factors`), and the
@@ -69,6 +73,7 @@ from fedspc_app.core.correction import (
     shared_update,
     zeros_like,
 )
+from fedspc_app.core.dp_mechanism import smooth
 from fedspc_app.core.protocol import (
     ARRAYS,
     GLOBAL_REFERENCE,
@@ -221,7 +226,8 @@ class FedSPC(PersonalizedFedAvg):
         dtype and shapes."""
         explicit = self.upload == "explicit" and self.global_reference is not None
         return train_schema(self.broadcast, self.num_partitions, steps_required=True,
-                            reference_change=self.global_reference if explicit else None)
+                            reference_change=self.global_reference if explicit else None,
+                            clipping_bit=self.reports_clipping_bit)
 
     def reference_change_of(self, message: Message, factor: float = 1.0) -> ArrayDict:
         """``u_k^{t+1} - u_k^t`` of one accepted reply (uploaded or derived); with the
@@ -255,9 +261,16 @@ class FedSPC(PersonalizedFedAvg):
         if self.reference == "client-centre":
             self.global_reference = self.client_centre(accepted, changes)
         else:
+            previous = self.global_reference
             self.global_reference = global_reference_update(
-                self.global_reference, self.summed_changes(accepted, changes),
+                previous, self.summed_changes(accepted, changes),
                 num_clients=max(self.num_clients, len(accepted)))
+            if self.privacy is not None and self.privacy.reference_smoothing > 0:
+                # dp-reference-smoothing: an exponential average of the released u_bar
+                # over rounds, post-processing that damps the noise it carries
+                # (docs/privacy.md); off, Algorithm 1's u_bar as it is.
+                self.global_reference = smooth(previous, self.global_reference,
+                                               self.privacy.reference_smoothing)
         norm = float(np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2))
                                  for v in self.global_reference.values())))
         metrics["global-reference-norm"] = norm

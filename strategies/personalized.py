@@ -35,19 +35,12 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
-from fedspc_app.core.dp_mechanism import (
-    NOISE,
-    add_noise,
-    clip_update,
-    new_secret,
-    noise_std,
-    secret_generator,
-    update_norm,
-)
+from fedspc_app.core.dp_mechanism import new_secret, update_norm
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.protocol import (
     ACCEPTED_ROUNDS,
     ARRAYS,
+    CLIPPING_NORM,
     CORRECT,
     DURABLE_THROUGH,
     EXAMPLES_SEEN,
@@ -62,10 +55,12 @@ from fedspc_app.core.protocol import (
     SERVER_ROUND,
     SHARED_STEPS,
     TRAIN_LOSS,
+    WITHIN_CLIPPING_NORM,
 )
 from fedspc_app.core.records import ArrayDict, from_record, to_record
 from fedspc_app.core.replies import ReplySchema, evaluate_schema, one_line, train_schema
 from strategies.aggregation import AggregationRule, mean_arrays
+from strategies.dp_release import Privacy, PrivateRelease
 from strategies.drift import drift_statistics
 from strategies.sampling import PartitionSampler
 from strategies.server_optimizer import ServerOptimizer
@@ -77,34 +72,6 @@ from strategies.summaries import (
 )
 
 DP_SECRET = "dp-secret"  # the checkpoint's key of the privacy secret
-
-
-@dataclass(frozen=True)
-class Privacy:
-    """Client-level differential privacy of the shared block
-    (:mod:`fedspc_app.core.dp_mechanism`).
-
-    Parameters
-    ----------
-    clipping_norm : float
-        C, the L2 bound of each client's update of the shared trainable parameters.
-    noise_multiplier : float
-        σ: the sum of the accepted clipped updates gets Gaussian noise of standard
-        deviation σ·C on every coordinate, and is divided by the expected number of
-        clients q·K (q = ``fraction_train``, K the training clients): σ·C/(q·K) on the
-        estimate. Under add/remove of one client the sum moves by at most C.
-    steps : int
-        E, the shared steps every client takes (``expected_shared_steps``: the same
-        for every client, public), so that FedSPC's u_bar is computed from the
-        privatized aggregate alone.
-    clip_on_server : bool (default: False)
-        Clip on the server (a trusted server) instead of trusting the clients' clipping.
-    """
-
-    clipping_norm: float
-    noise_multiplier: float
-    steps: int
-    clip_on_server: bool = False
 
 
 @dataclass
@@ -235,8 +202,11 @@ class PersonalizedFedAvg(FedAvg):
                                         wait_for=min_available_nodes,
                                         held_out=held_out_clients)
         self.secret: int | None = None  # differential privacy's, never sent or logged
+        # The releases (and under adaptive clipping C_t): strategies/dp_release.py
+        self.release: PrivateRelease | None = None
         if privacy is not None:
             self.use_secret(new_secret())
+            self.release = PrivateRelease(privacy, self.expected_clients)
 
     @property
     def num_training(self) -> int:
@@ -265,6 +235,8 @@ class PersonalizedFedAvg(FedAvg):
         state = {ACCEPTED_ROUNDS: list(self.accepted_rounds), RUN_TOKEN: self.run_token}
         if self.secret is not None:
             state[DP_SECRET] = format(self.secret, "x")
+        if self.release is not None:
+            state.update(self.release.state_dict())  # adaptive clipping's C_t
         return state
 
     def state_arrays(self) -> ArrayDict:
@@ -297,6 +269,7 @@ class PersonalizedFedAvg(FedAvg):
         self.durable_through = completed_round
         self.run_token = str(state.get(RUN_TOKEN, ""))
         if self.privacy is not None:
+            self.release.load_state_dict(state)
             if DP_SECRET in state:
                 self.use_secret(int(state[DP_SECRET], 16))
             else:
@@ -320,6 +293,8 @@ class PersonalizedFedAvg(FedAvg):
         config.update(self.decisions())
         if self.learning_rates is not None:
             config[ROUND_LEARNING_RATE] = self.learning_rate_of(server_round)
+        if self.privacy is not None and self.privacy.adaptive:
+            config[CLIPPING_NORM] = self.release.clipping_norm  # C_t: a release, public
         messages, self.sampled = self._messages(server_round, arrays, config, grid,
                                                 self.fraction_train, MessageType.TRAIN)
         return messages
@@ -378,7 +353,15 @@ class PersonalizedFedAvg(FedAvg):
     def reply_schema(self) -> ReplySchema:
         """What a train reply of this round must hold (:mod:`fedspc_app.core.replies`):
         the shared block with the broadcast's keys, dtypes and shapes, and the metrics."""
-        return train_schema(self.broadcast, self.num_partitions)
+        return train_schema(self.broadcast, self.num_partitions,
+                            clipping_bit=self.reports_clipping_bit)
+
+    @property
+    def reports_clipping_bit(self) -> bool:
+        """Whether a train reply carries b_k = 1[‖Δ_k‖ ≤ C_t] (adaptive clipping on
+        the clients; on the server it computes b_k itself)."""
+        privacy = self.privacy
+        return privacy is not None and privacy.adaptive and not privacy.clip_on_server
 
     def check_reply(self, message: Message) -> str | None:
         """Why a train reply is unusable, or ``None`` when it is fine: its schema, the
@@ -519,7 +502,7 @@ class PersonalizedFedAvg(FedAvg):
         self.norm_factors = [1.0] * len(updates)
         if self.privacy is not None:
             self.selected = list(range(len(updates)))
-            arrays = self.private_mean(server_round, updates, keys)
+            arrays = self.private_mean(server_round, updates, keys, metrics)
         elif self.rule.robust:
             # Each update's norm bounded first (robust-norm-bound; factors of 1 if not).
             self.norm_factors, ruled = self.rule.bound_norms(updates, self.broadcast, keys)
@@ -547,6 +530,7 @@ class PersonalizedFedAvg(FedAvg):
             TRAIN_LOSS: float(np.mean(losses)) if losses else float("nan"),
             **drift,
             **robust,
+            **(self.release.metrics() if self.release is not None else {}),
             **self.participants(metrics),
             **({ROUND_LEARNING_RATE: self.learning_rate_of(server_round)}
                if self.learning_rates is not None else {}),
@@ -578,37 +562,19 @@ class PersonalizedFedAvg(FedAvg):
         }
 
     def private_mean(self, server_round: int, updates: Sequence[ArrayDict],
-                     keys: Sequence[str]) -> ArrayDict:
+                     keys: Sequence[str],
+                     metrics: Sequence[MetricRecord] = ()) -> ArrayDict:
         """The broadcast plus the sum of the m (clipped) updates of ``keys`` with
-        Gaussian noise σ·C, divided by q·K (:class:`Privacy`); kept in
+        Gaussian noise, divided by q·K (:class:`~strategies.dp_release.PrivateRelease`;
+        under adaptive clipping the clients' bits in ``metrics`` move C_t); kept in
         :attr:`privatized`. A reply that did not come adds nothing to the sum, so one
         client still moves it by at most C; with every client drawn and replying it
         is their mean."""
-        privacy = self.privacy
-        if privacy.clip_on_server:
-            updates = [clip_update(u, self.broadcast, keys, privacy.clipping_norm)
-                       for u in updates]
-        expected = self.expected_clients
-        std = noise_std(privacy.noise_multiplier, privacy.clipping_norm, expected)
-        rng = secret_generator(self.secret, server_round, NOISE)
-        self.privatized = add_noise(self.sum_estimate(updates, keys, expected), keys, std,
-                                    rng)
+        reported = ([int(m[WITHIN_CLIPPING_NORM]) for m in metrics]
+                    if self.reports_clipping_bit else ())
+        self.privatized = self.release.release(server_round, self.secret, self.broadcast,
+                                               updates, keys, reported)
         return self.privatized
-
-    def sum_estimate(self, updates: Sequence[ArrayDict], keys: Sequence[str],
-                     expected: float) -> ArrayDict:
-        """broadcast + Σ_k (update_k − broadcast) / ``expected`` over ``keys`` (the
-        mean, bit for bit, when ``expected`` is the number of updates; other shared
-        entries: their mean)."""
-        if updates and len(updates) == expected:
-            return mean_arrays(updates, [1.0] * len(updates))
-        out = mean_arrays(updates, [1.0] * len(updates)) if updates else dict(self.broadcast)
-        for key in keys:
-            start = np.asarray(self.broadcast[key], dtype=np.float64)
-            total = sum((np.asarray(u[key], dtype=np.float64) - start for u in updates),
-                        np.zeros_like(start))
-            out[key] = (start + total / expected).astype(self.broadcast[key].dtype)
-        return out
 
     # ---------------------------------------------------------------- evaluation
     def check_evaluation(self, message: Message) -> str | None:

@@ -142,14 +142,10 @@ def secrets_from(monkeypatch, values):
     monkeypatch.setattr("strategies.personalized.new_secret", lambda: next(supply))
 
 
-def test_a_resumed_run_draws_the_noise_of_the_uninterrupted_one(tmp_path, monkeypatch):
-    """Crashed in round 2's evaluation (after its checkpoint), the resumed run takes the
-    secret from the checkpoint: it ends as the uninterrupted run of that secret does,
-    although a fresh secret would be 2**100 for it."""
-    secrets_from(monkeypatch, [12345, 12345, 2 ** 100])
-    overrides = {"checkpoint": True, "method": "fedrep", "fedspc": True, "local_steps": 3,
-                 "dp_clipping_norm": 0.5, "dp_noise_multiplier": 0.1,
-                 "fraction_train": 0.67}
+def crash_and_resume(tmp_path: Path, overrides: dict) -> tuple[list, list]:
+    """The rounds of a run of ``overrides`` (checkpointed), and of the same run crashed
+    in round 2's evaluation (after its checkpoint) and resumed."""
+    overrides = {"checkpoint": True, **overrides}
 
     def crashing(*args):
         grid = Crashing(*args)
@@ -161,6 +157,17 @@ def test_a_resumed_run_draws_the_noise_of_the_uninterrupted_one(tmp_path, monkey
         fault_run(tmp_path / "b", grid_type=crashing, **overrides)
     _, resumed, error = fault_run(tmp_path / "b", resume=True, **overrides)
     assert error is None
+    return expected, resumed
+
+
+def test_a_resumed_run_draws_the_noise_of_the_uninterrupted_one(tmp_path, monkeypatch):
+    """Crashed in round 2's evaluation (after its checkpoint), the resumed run takes the
+    secret from the checkpoint: it ends as the uninterrupted run of that secret does,
+    although a fresh secret would be 2**100 for it."""
+    secrets_from(monkeypatch, [12345, 12345, 2 ** 100])
+    expected, resumed = crash_and_resume(tmp_path, {
+        "method": "fedrep", "fedspc": True, "local_steps": 3, "dp_clipping_norm": 0.5,
+        "dp_noise_multiplier": 0.1, "fraction_train": 0.67})
     assert [r.get("train-clients") for r in resumed] == [
         r.get("train-clients") for r in expected]  # the same secret draws
     assert [r.get("accuracy") for r in resumed] == [r.get("accuracy") for r in expected]

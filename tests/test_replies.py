@@ -12,6 +12,7 @@ ten thousand and more.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from io import BytesIO
 from pathlib import Path
@@ -68,7 +69,8 @@ def metrics_of(values: dict) -> MetricRecord:
 def honest_metrics(node: int, **extra) -> dict:
     return {"partition-id": node - 1, "num-examples": 10 * node, "train-loss": 1.5,
             "shared-steps": 2, "examples-seen": 20 * node, "rounds-trained": 1,
-            "setup-seconds": 0.1, "work-seconds": 0.5, **extra}
+            "setup-seconds": 0.1, "work-seconds": 0.5, "within-clipping-norm": node % 2,
+            **extra}
 
 
 def train_reply(node: int, arrays: dict | None = None, metrics: dict | None = None,
@@ -338,7 +340,8 @@ def test_the_docs_name_every_field_the_server_reads():
     text = ROBUSTNESS.read_text()
     section = text.split("## Reply checks", 1)[1].split("\n## ", 1)[0]
     schemas = {
-        "train": train_schema(SHARED, K, steps_required=True, reference_change=SHARED),
+        "train": train_schema(SHARED, K, steps_required=True, reference_change=SHARED,
+                              clipping_bit=True),
         "evaluate": evaluate_schema(K),
         "query": node_answer_schema(K),
         "preflight": partition_report_schema(K, 10),
@@ -372,7 +375,8 @@ METRIC_KEYS = ["partition-id", "num-examples", "train-loss", "shared-steps", "ex
                "rounds-trained", "local-correct", "local-examples", "setup-seconds",
                "work-seconds", "handler-started-at", "process-started-at",
                "app-import-started-at", "app-imported-at", "correct", "loss-sum",
-               "global-correct", "global-examples", "held-out", "unknown-key"]
+               "global-correct", "global-examples", "held-out", "within-clipping-norm",
+               "unknown-key"]
 RECORD_NAMES = ["arrays", "metrics", "reference-change", "config", "global-reference", ""]
 
 
@@ -478,6 +482,7 @@ CONFIGS = [(kind, rule, extra) for kind in ("plain", "derived", "explicit")
            for rule in AGGREGATIONS for extra in ("",)]
 CONFIGS += [(kind, "mean", extra) for kind in ("plain", "derived", "explicit")
             for extra in ("fedadam", "dp")]
+CONFIGS += [(kind, "mean", "dp-adaptive") for kind in ("plain", "derived")]
 CONFIGS += [("derived", "median", "client-centre"), ("explicit", "krum", "client-centre")]
 
 
@@ -487,6 +492,10 @@ def build(kind: str, rule: str, extra: str):
         kwargs["server_optimizer"] = ServerOptimizer("fedadam", CORRECTED, learning_rate=0.1)
     if extra == "dp":
         kwargs["privacy"] = Privacy(clipping_norm=1.0, noise_multiplier=0.5, steps=2)
+    if extra == "dp-adaptive":  # the clients' bits move C_t; u_bar smoothed
+        kwargs["privacy"] = Privacy(clipping_norm=1.0, noise_multiplier=0.5, steps=2,
+                                    clipping_quantile=0.5, count_stddev=1.0,
+                                    reference_smoothing=0.5 if kind != "plain" else 0.0)
     if extra == "client-centre":
         kwargs["reference"] = "client-centre"
     return server(kind, rule, **kwargs)
@@ -507,14 +516,18 @@ def assert_usable(strategy, arrays, metrics) -> None:
     if reference is not None:
         for key in CORRECTED:
             assert reference[key].dtype == np.float32 and np.all(np.isfinite(reference[key]))
+    if strategy.release is not None:
+        assert 0 < strategy.release.clipping_norm < math.inf
     assert all("\n" not in r and len(r) < replies.REASON_LENGTH + 100
                for r in strategy.report.reasons)
 
 
 def state_of(strategy, arrays):
     reference = getattr(strategy, "global_reference", None) or {}
+    release = strategy.release  # under privacy: adaptive clipping's C_t too
     return ({k: v.tobytes() for k, v in arrays_of(arrays).items()} if arrays else None,
-            {k: v.tobytes() for k, v in reference.items()}, list(strategy.accepted_rounds))
+            {k: v.tobytes() for k, v in reference.items()}, list(strategy.accepted_rounds),
+            release.clipping_norm if release is not None else None)
 
 
 NODES = st.integers(1, K)

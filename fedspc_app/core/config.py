@@ -44,6 +44,7 @@ SERVER_OPTIMIZERS = ("mean", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
 ATTACKS = ("none", "scale", "sign-flip", "noise", "small-steps", "bias")
 DP_CLIPPING = ("client", "server")
 DP_ACCOUNTANTS = ("rdp", "pld")  # dp_accounting's, under add/remove of one client
+COUNT_STDDEV_SHARE = 1 / 20  # adaptive clipping's σ_b unless set: q·K/20 (Andrew et al.)
 LR_SCHEDULES = ("constant", "exponential", "cosine", "step")
 WANDB_MODES = ("offline", "online", "disabled")
 AUGMENTS = ("auto", "none", "crop-flip")
@@ -222,6 +223,13 @@ class RunConfig:
     dp_delta: float = 1e-5
     dp_target_epsilon: float = 0.0
     dp_accountant: str = "rdp"
+    # Adaptive clipping (Andrew et al., 2021): 0 = a fixed dp-clipping-norm; else the
+    # target quantile γ of the update norms, the step η_C and the count's noise σ_b
+    # (0 = q·K/20); and FedSPC's u_bar averaged over rounds under privacy (β, 0 = off)
+    dp_clipping_quantile: float = 0.0
+    dp_clipping_lr: float = 0.2
+    dp_clipped_count_stddev: float = 0.0
+    dp_reference_smoothing: float = 0.0
 
     # Fault injection for tests and experiments: lying clients (clients/attack.py)
     attack: str = "none"
@@ -378,6 +386,43 @@ def _at_least(key: str, value: float, low: float, *, strict: bool = False) -> No
         raise ConfigError(f"run-config '{key}' must be {relation} {low:g}, got {value!r}")
 
 
+def _check_adaptive(config: RunConfig, corrects: bool) -> None:
+    """Adaptive clipping and u_bar's smoothing: their ranges, and that they need
+    differential privacy (``corrects``: the method keeps u_bar)."""
+    quantile, count_std = config.dp_clipping_quantile, config.dp_clipped_count_stddev
+    if not (quantile == 0.0 or 0.0 < quantile < 1.0):
+        raise ConfigError("run-config 'dp-clipping-quantile' must be 0 (a fixed "
+                          f"dp-clipping-norm) or in (0, 1), got {quantile!r}")
+    _at_least("dp-clipping-lr", config.dp_clipping_lr, 0.0, strict=True)
+    _at_least("dp-clipped-count-stddev", count_std, 0.0)
+    if not 0.0 <= config.dp_reference_smoothing < 1.0:
+        raise ConfigError("run-config 'dp-reference-smoothing' must be in [0, 1), got "
+                          f"{config.dp_reference_smoothing!r}")
+    if quantile == 0.0 and count_std > 0:
+        raise ConfigError("run-config 'dp-clipped-count-stddev' is the noise of adaptive "
+                          "clipping: it needs 'dp-clipping-quantile' > 0")
+    if quantile > 0 and not (config.dp and math.isfinite(config.dp_clipping_norm)):
+        raise ConfigError("run-config 'dp-clipping-quantile' > 0 (adaptive clipping) needs "
+                          "differential privacy with a finite 'dp-clipping-norm', where "
+                          "the clipping norm starts")
+    sigma = config.dp_noise_multiplier
+    training = config.num_clients - config.held_out_clients
+    expected = min(config.fraction_train, 1.0) * training if training > 0 else 0.0
+    count_std = count_std or COUNT_STDDEV_SHARE * expected
+    if quantile > 0 and sigma > 0 and count_std > 0 and sigma >= 2 * count_std:
+        raise ConfigError(
+            f"run-config 'dp-clipped-count-stddev' σ_b = {count_std:g} "
+            + ("(q·K/20) " if not config.dp_clipped_count_stddev else "")
+            + f"is too small for 'dp-noise-multiplier' σ = {sigma:g}: the update's "
+            "multiplier (σ^-2 - (2σ_b)^-2)^(-1/2) needs σ_b > σ/2")
+    if config.dp_reference_smoothing > 0 and not (config.dp and corrects):
+        raise ConfigError(
+            "run-config 'dp-reference-smoothing' > 0 needs differential privacy and "
+            "FedSPC (fedspc = true, or a method with control variates): it damps the "
+            "noise u_bar takes from the privatized aggregate; without privacy u_bar is "
+            "the exact mean of the u_k and has no noise to damp")
+
+
 def _check_privacy(config: RunConfig) -> None:
     """The settings of differential privacy, and what it cannot honour."""
     if not config.dp_clipping_norm >= 0.0:  # inf allowed: no clipping (for tests)
@@ -448,6 +493,7 @@ def validate(config: RunConfig) -> RunConfig:
     _at_least("lr-step-rounds", config.lr_step_rounds, 1)
     _at_least("local-steps", config.local_steps, 0)
     _check_privacy(config)
+    _check_adaptive(config, config.fedspc or method.control_variates)
     if not 0.0 <= config.trim_fraction < 0.5:
         raise ConfigError("run-config 'trim-fraction' must be in [0, 0.5), "
                           f"got {config.trim_fraction!r}")

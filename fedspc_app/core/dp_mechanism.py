@@ -13,19 +13,31 @@ The noise and, under privacy, the draw of each round's clients come from a secre
 server draws once per run from the operating system's entropy (:func:`new_secret`)
 and keeps only in its checkpoint: nothing in the run-config, the results folder or any
 message predicts them.
+
+Adaptive clipping (Andrew et al., 2021): the clipping norm C_t follows a target quantile
+γ of the clients' update norms. Each client's bit b_k = 1[‖Δ_k‖ ≤ C_t] is summed
+centred, Σ (b_k − 1/2), so that one client moves the count by at most 1/2; Gaussian
+noise of standard deviation σ_b makes it a second Gaussian query of the same clients
+(:func:`noised_fraction`), and C_{t+1} = C_t · exp(−η_C (b̃ − γ))
+(:func:`next_clipping_norm`). The update's noise multiplier σ_Δ is chosen so that the
+two together are one Gaussian mechanism of multiplier σ (:func:`split_noise`): the
+round's account is the fixed-C run's.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 
 import numpy as np
 from flwr.supercore.differential_privacy import (
+    compute_adaptive_noise_params,
     compute_clip_model_update,
     compute_stdv,
     get_norm,
 )
 
+from fedspc_app.core.config import COUNT_STDDEV_SHARE  # σ_b = qK/20 unless set
 from fedspc_app.core.records import ArrayDict
 
 
@@ -51,8 +63,9 @@ def clip_update(final: Mapping[str, np.ndarray], initial: Mapping[str, np.ndarra
     return out
 
 
-# What a generator drawn from the secret is for (SeedSequence spawn keys).
-NOISE, SAMPLE = 0, 1
+# What a generator drawn from the secret is for (SeedSequence spawn keys): the
+# update's noise, the draw of the clients, the noise of the clipped count.
+NOISE, SAMPLE, COUNT = 0, 1, 2
 
 
 def new_secret() -> int:
@@ -87,3 +100,53 @@ def add_noise(arrays: Mapping[str, np.ndarray], keys: Iterable[str], std: float,
         value = np.asarray(arrays[key])
         out[key] = (value + rng.normal(0.0, std, size=value.shape)).astype(value.dtype)
     return out
+
+
+# ------------------------------------------------------------ adaptive clipping
+def split_noise(noise_multiplier: float, expected_clients: float,
+                count_stddev: float = 0.0) -> tuple[float, float]:
+    """(σ_b, σ_Δ): the count's noise standard deviation and the update's noise
+    multiplier of adaptive clipping, with σ_Δ = (σ^−2 − (2σ_b)^−2)^(−1/2) (Andrew et al.,
+    2021, Thm. 1), so that the update (sensitivity C, noise σ_Δ·C) and the centred count
+    (sensitivity 1/2, noise σ_b) together are one Gaussian mechanism of multiplier σ.
+    ``count_stddev`` 0 means qK/20 under noise (``expected_clients`` = qK), none
+    without. Flower's ``compute_adaptive_noise_params``; raises ``ValueError`` when
+    σ ≥ 2σ_b (no σ_Δ exists)."""
+    if noise_multiplier > 0 and not noise_multiplier < 2 * (
+            count_stddev or COUNT_STDDEV_SHARE * expected_clients):
+        raise ValueError(
+            f"the clipped count's noise σ_b = "
+            f"{count_stddev or COUNT_STDDEV_SHARE * expected_clients:g} leaves nothing for "
+            f"the update at σ = {noise_multiplier:g}: σ_b must exceed σ/2")
+    count, update = compute_adaptive_noise_params(
+        noise_multiplier, expected_clients, count_stddev if count_stddev > 0 else None)
+    return float(count), float(update)
+
+
+def noised_fraction(bits: Iterable[int], expected_clients: float, count_stddev: float,
+                    rng: np.random.Generator) -> float:
+    """b̃ = 1/2 + (Σ_k (b_k − 1/2) + N(0, σ_b²)) / (qK), clamped to [0, 1]: the noised
+    fraction of the clients whose update was within the clipping norm. Centred, one
+    client moves the sum by at most 1/2 (drawn or not, replied or not); divided by
+    the public qK like the update. Without noise and with qK clients summed it is
+    their true fraction. The clamp is post-processing: one round moves C by at most a
+    factor e^{±η_C}."""
+    centred = math.fsum(float(bit) - 0.5 for bit in bits)
+    noise = float(rng.normal(0.0, count_stddev)) if count_stddev > 0 else 0.0
+    return min(1.0, max(0.0, 0.5 + (centred + noise) / expected_clients))
+
+
+def next_clipping_norm(clipping_norm: float, fraction: float, quantile: float,
+                       learning_rate: float) -> float:
+    """C_{t+1} = C_t · exp(−η_C (b̃ − γ)), the geometric update of Andrew et al.: more
+    than γ of the updates within C shrinks it, fewer grows it."""
+    return clipping_norm * math.exp(-learning_rate * (fraction - quantile))
+
+
+def smooth(previous: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray],
+           factor: float) -> dict[str, np.ndarray]:
+    """β·previous + (1 − β)·new key by key (float64 arithmetic, float32 results):
+    the exponential average of u_bar over rounds (``dp-reference-smoothing``)."""
+    return {key: (factor * np.asarray(previous[key], np.float64)
+                  + (1.0 - factor) * np.asarray(value, np.float64)).astype(np.float32)
+            for key, value in new.items()}

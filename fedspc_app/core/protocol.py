@@ -17,6 +17,8 @@ REFERENCE_CHANGE = "reference-change"  # ArrayRecord: u_k^{t+1} - u_k^t (explici
 # Keys of the ``config`` record.
 SERVER_ROUND = "server-round"
 ROUND_LEARNING_RATE = "learning-rate"  # the clients' η of this round (lr-schedule)
+# Differential privacy with adaptive clipping: the clipping norm C_t of this round.
+CLIPPING_NORM = "clipping-norm"
 NUM_CLIENTS = "num-clients"  # K, the run's clients (queries and round messages)
 QUERY = "query"  # the kind of a query message (below)
 DEPLOYMENT = "deployment"  # a deployment run: the clients keep their state in files
@@ -50,6 +52,8 @@ NUM_EXAMPLES, TRAIN_LOSS = "num-examples", "train-loss"
 EXAMPLES_SEEN, ROUNDS_TRAINED = "examples-seen", "rounds-trained"
 CORRECT, LOSS_SUM = "correct", "loss-sum"
 SHARED_STEPS = "shared-steps"  # optimizer steps that updated the shared block (FedSPC's E)
+# Adaptive clipping on the clients: 1 when the update's norm was at most C_t, else 0.
+WITHIN_CLIPPING_NORM = "within-clipping-norm"
 LOCAL_CORRECT, LOCAL_EXAMPLES = "local-correct", "local-examples"  # before aggregation
 # A personal-model method's evaluation of the received global model (evaluate-global-model).
 GLOBAL_CORRECT, GLOBAL_EXAMPLES = "global-correct", "global-examples"

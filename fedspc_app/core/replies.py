@@ -50,6 +50,7 @@ from fedspc_app.core.protocol import (
     SHARED_STEPS,
     TIMINGS,
     TRAIN_LOSS,
+    WITHIN_CLIPPING_NORM,
 )
 
 MAX_COUNT = 2**40  # images, steps, rounds
@@ -319,11 +320,13 @@ STARTUP = {metric.key: metric for metric in STARTUP_METRICS}
 
 def train_schema(shared: Mapping[str, np.ndarray], num_partitions: int, *,
                  steps_required: bool = False,
-                 reference_change: Mapping[str, np.ndarray] | None = None) -> ReplySchema:
+                 reference_change: Mapping[str, np.ndarray] | None = None,
+                 clipping_bit: bool = False) -> ReplySchema:
     """A training reply: the shared block as broadcast (``shared``), the partition, the
     images and the optional figures of a round; FedSPC needs the shared steps E_k
     (``steps_required``) and, uploaded explicitly, the reference change with u_bar's
-    keys, dtype and shapes (``reference_change``)."""
+    keys, dtype and shapes (``reference_change``); adaptive clipping on the clients
+    the bit b_k = 1[‖Δ_k‖ ≤ C_t] (``clipping_bit``: an integer 0 or 1, required)."""
     arrays = {ARRAYS: shared}
     if reference_change is not None:
         arrays[REFERENCE_CHANGE] = reference_change
@@ -333,6 +336,8 @@ def train_schema(shared: Mapping[str, np.ndarray], num_partitions: int, *,
             Metric(NUM_EXAMPLES, INT, 1, MAX_COUNT, required=True),
             Metric(SHARED_STEPS, INT, 1 if steps_required else 0, MAX_COUNT,
                    required=steps_required),
+            *((Metric(WITHIN_CLIPPING_NORM, INT, 0, 1, required=True),)
+              if clipping_bit else ()),
             Metric(TRAIN_LOSS, NUMBER, 0, MAX_NUMBER),
             Metric(EXAMPLES_SEEN, INT, 0, MAX_COUNT),
             Metric(ROUNDS_TRAINED, INT, 0, MAX_COUNT),

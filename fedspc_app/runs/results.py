@@ -57,6 +57,9 @@ SERVER_COLUMNS = ("server-accuracy", "server-loss", "server-evaluate-seconds")
 # held-out-clients: the clients that never trained, tested after their fine-tuning
 # (strategies/personalized.py): their mean accuracy, weighted accuracy and loss.
 HELD_OUT_COLUMNS = ("held-out-accuracy", "held-out-weighted-accuracy", "held-out-loss")
+# Adaptive clipping under differential privacy (strategies/dp_release.py): the round's
+# clipping norm C_t and the noised fraction of updates within it (both releases).
+ADAPTIVE_CLIPPING_COLUMNS = ("dp-clipping-norm", "dp-unclipped-fraction")
 CONFIG_JSON, METRICS_JSON, METRICS_CSV, SUMMARY_JSON = (
     "config.json", "metrics.json", "metrics.csv", "summary.json")
 SCALAR_COLUMNS = (
@@ -65,7 +68,7 @@ SCALAR_COLUMNS = (
     "round-seconds", "elapsed-seconds", "failed", "train-dropped", "evaluate-dropped",
     *DRIFT_COLUMNS, "global-reference-norm", "accuracy-before-aggregation", "global-accuracy",
     *HELD_OUT_COLUMNS, *SERVER_COLUMNS, "learning-rate", *TIMING_COLUMNS,
-    CHECKPOINT_SECONDS, "dp-epsilon",
+    CHECKPOINT_SECONDS, "dp-epsilon", *ADAPTIVE_CLIPPING_COLUMNS,
 )
 
 
@@ -342,6 +345,9 @@ class RunRecorder:
                 row[CHECKPOINT_SECONDS] = round(float(train[CHECKPOINT_SECONDS]), 4)
             if "global-reference-norm" in train:
                 row["global-reference-norm"] = float(train["global-reference-norm"])
+            for key in ADAPTIVE_CLIPPING_COLUMNS:
+                if key in train:
+                    row[key] = float(train[key])
             if "aggregated-client-ids" in train:  # a robust rule's choice (Krum)
                 row["aggregated-client-ids"] = [int(i) for i in
                                                 train["aggregated-client-ids"]]
