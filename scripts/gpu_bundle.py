@@ -111,7 +111,7 @@ while [ $# -gt 0 ]; do
     case $1 in
         --python) python=$2; shift 2 ;;
         --env-only) env_only=1; shift ;;
-        -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
         *) echo "install.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -192,7 +192,8 @@ else:
     scripts = Path(sys.executable).parent
     try:
         write_scripts(scripts)
-        done = "installed: %s; console scripts in %s" % (pth, scripts)
+        done = "installed: %s; console scripts in %s: %s" % (
+            pth, scripts, " ".join(manifest["scripts"]))
     except OSError:
         env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
         done = "installed: %s; add %s to PATH for the console scripts" % (pth, bin_dir)
