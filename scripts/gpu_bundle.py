@@ -5,7 +5,8 @@ It is built from the distributions installed in the running environment and hold
 
 * ``lib/``: Flower (``flwr[simulation]``) with every dependency that torch, torchvision
   and timm do not bring, and ``tomli-w``; Ray pruned to the runtime that a simulation
-  uses (:data:`PRUNE`); no bytecode, no console scripts, no ``RECORD`` files;
+  uses (:data:`PRUNE`); the binaries without their symbol tables; no bytecode, no
+  console scripts, no ``RECORD`` files;
 * ``app/``: the app (its packages, ``pyproject.toml``, ``conf/``, ``scripts/``) as
   ``git ls-files`` lists it, read from the working tree;
 * ``install.sh``: run on the target machine after unpacking. It checks the interpreter
@@ -65,9 +66,10 @@ SCRIPTS_SKIPPED = {"serve", "tune"}  # Ray's, whose packages are pruned
 # Paths (relative to site-packages, '/'-separated) left out of the bundled
 # distributions: a prefix ending in '/' drops a folder. A Flower simulation on one
 # machine runs Ray's GCS server, raylet, its Python worker, log monitor, autoscaler
-# monitor, dashboard agent (minimal mode) and runtime-env agent; none of these imports
-# the libraries below, the dashboard's web client, the Java jars or the cloud providers'
-# node launchers.
+# monitor, dashboard head and agent (minimal mode) and runtime-env agent (with its own
+# aiohttp); none of these imports the libraries below, the dashboard's web client, the
+# Java jars or the cloud providers' node launchers (a run from a bundle without
+# ray/widgets or ray/autoscaler/_private/local fails: the worker imports them).
 PRUNE = (
     "ray/air/", "ray/data/", "ray/llm/", "ray/rllib/", "ray/serve/", "ray/train/",
     "ray/tune/", "ray/workflow/", "ray/jars/",
@@ -81,7 +83,7 @@ PRUNE = (
     "ray/autoscaler/aws/", "ray/autoscaler/gcp/", "ray/autoscaler/azure/",
     "ray/autoscaler/kuberay/", "ray/autoscaler/vsphere/",
     "ray/includes/", "ray/setup-dev.py",
-    # Other libraries' self-tests and build records.
+    # Other libraries' self-tests.
     "Crypto/SelfTest/", "sqlalchemy/testing/",
 )
 PRUNE_PARTS = {"__pycache__", "tests"}  # folders dropped wherever they are
