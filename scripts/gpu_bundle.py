@@ -69,7 +69,7 @@ SCRIPTS_SKIPPED = {"serve", "tune"}  # Ray's, whose packages are pruned
 # monitor, dashboard head and agent (minimal mode) and runtime-env agent (with its own
 # aiohttp); none of these imports the libraries below, the dashboard's web client, the
 # Java jars or the cloud providers' node launchers (a run from a bundle without
-# ray/widgets or ray/autoscaler/_private/local fails: the worker imports them).
+# ray/widgets or ray/autoscaler/_private/local fails: Ray imports them).
 PRUNE = (
     "ray/air/", "ray/data/", "ray/llm/", "ray/rllib/", "ray/serve/", "ray/train/",
     "ray/tune/", "ray/workflow/", "ray/jars/",
