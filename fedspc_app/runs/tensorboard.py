@@ -18,7 +18,8 @@ its per-client ones (each its own TensorBoard section, one chart per client):
   images trained on;
 * ``time/``: every ``*-seconds`` column (round, elapsed, phase timings, checkpoint)
   and ``images-per-second``;
-* ``privacy/``: ``dp-epsilon`` (differential privacy's account);
+* ``privacy/``: ``dp-epsilon`` (differential privacy's account), and under adaptive
+  clipping ``dp-clipping-norm`` and ``dp-unclipped-fraction``;
 * ``schedule/``: ``learning-rate`` (the clients' η of the round, with ``lr-schedule``);
 * ``other/``: any further numeric column;
 * ``client-accuracy/<k>``, ``client-global-accuracy/<k>``, ``client-held-out-accuracy/<k>``,
@@ -57,7 +58,7 @@ GROUPS = {
     "clients": ("clients", "train-clients", "train-images", "min-rounds-trained", "failed",
                 "train-dropped", "evaluate-dropped"),
     "time": ("images-per-second",),
-    "privacy": ("dp-epsilon",),
+    "privacy": ("dp-epsilon", "dp-clipping-norm", "dp-unclipped-fraction"),
     "schedule": ("learning-rate",),
 }
 _GROUP_OF = {column: group for group, columns in GROUPS.items() for column in columns}
