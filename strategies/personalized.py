@@ -72,6 +72,10 @@ from strategies.summaries import (
 )
 
 DP_SECRET = "dp-secret"  # the checkpoint's key of the privacy secret
+# Under differential privacy a round's one reason, whatever was dropped or missing:
+# which replies, how many and why would tell who and how many were drawn.
+PRIVATE_DROPPED = ("replies of drawn clients were dropped or did not come (which, how "
+                   "many and why is withheld under differential privacy)")
 
 
 @dataclass
@@ -418,7 +422,7 @@ class PersonalizedFedAvg(FedAvg):
         replies = list(replies)
         sampled = max(self.sampled, len(replies))
         report = RoundReport(server_round, sampled, private=self.privacy is not None)
-        accepted, partitions = [], set()
+        accepted, partitions, withheld = [], set(), False
         for message in replies:
             reason = self.check_reply(message)
             if reason is None:
@@ -428,24 +432,27 @@ class PersonalizedFedAvg(FedAvg):
                 partitions.add(partition)
             if reason is None:
                 accepted.append(message)
-            else:
+            elif report.private:
                 # Under differential privacy the log and metrics.json say neither whose
                 # reply it was nor why (a client's error text, or a count its partition
-                # implies, can name it): who was drawn stays the server's.
-                who, reason = ((f"node {message.metadata.src_node_id}", one_line(reason))
-                               if self.privacy is None else
-                               ("a drawn client", "withheld under differential privacy"))
+                # implies, can name it), nor how many: one reason and at most one
+                # warning a round (PRIVATE_DROPPED). Who was drawn stays the server's.
+                withheld = True
+            else:
+                who, reason = f"node {message.metadata.src_node_id}", one_line(reason)
                 report.reasons.append(f"{who}: {reason}")
                 log(WARNING, "round %d: dropped the reply of %s: %s", server_round, who,
                     reason)
-        if sampled > len(replies):
-            report.reasons.append("some drawn clients did not reply within the round "
-                                  "timeout" if report.private else
-                                  f"{sampled - len(replies)} sampled client(s) did not "
+        if report.private and (withheld or sampled > len(replies)):
+            report.reasons.append(PRIVATE_DROPPED)
+        elif sampled > len(replies):
+            report.reasons.append(f"{sampled - len(replies)} sampled client(s) did not "
                                   "reply within the round timeout")
         report.accepted = len(accepted)
         needed = max(1, math.ceil(self.min_train_replies * sampled - 1e-9))
         self.report = report
+        if report.private and report.reasons and len(accepted) >= needed:
+            log(WARNING, "round %d: %s", server_round, PRIVATE_DROPPED)
         if len(accepted) < needed:
             report.failed = True
             report.accepted = 0
@@ -470,7 +477,7 @@ class PersonalizedFedAvg(FedAvg):
         if self.privacy is not None and self.sampled == 0 and not replies:
             # The Poisson draw was empty: release the noise alone, as the account
             # assumes (a round that released nothing would tell that nobody was drawn).
-            self.report = RoundReport(server_round, 0)
+            self.report = RoundReport(server_round, 0, private=True)
             return self.aggregate_accepted(server_round, [])
         accepted = self.accept_replies(server_round, replies)
         if not accepted:

@@ -7,11 +7,18 @@ from __future__ import annotations
 
 import csv
 import json
+from collections import Counter
+from logging import WARNING
 from pathlib import Path
 
-from flwr.app import MetricRecord
+import pytest
+from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord
+from inprocess import InProcessGrid, run_server
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+from test_privacy_secret import private_server
+from test_strategies import FakeGrid, f32, from_node, record, reply
 
+from fedspc_app import client_app
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.runs.results import (
     DP_WITHHELD,
@@ -21,6 +28,9 @@ from fedspc_app.runs.results import (
     RunRecorder,
 )
 from fedspc_app.runs.tensorboard import FOLDER
+from strategies.personalized import PRIVATE_DROPPED
+
+W = "w"
 
 
 class Traffic:
@@ -94,3 +104,58 @@ def test_without_privacy_traffic_and_timings_are_still_written(tmp_path):
     summary = json.loads((recorder.run_dir / SUMMARY_JSON).read_text())
     assert summary["bytes-sent"] == 8000 and summary["bytes-received"] == 5600
     assert "sent 0.0 MB, received 0.0 MB" in lines[-2] and "ETA" in lines[-2]
+
+
+# Round 2 of this secret draws nobody at q = 0.3 among 4 clients; rounds 1 and 3 draw
+# 2 and 4 (fedspc_app.core.dp_mechanism.secret_generator).
+EMPTY_SECOND_ROUND = 53
+
+
+def test_an_empty_draw_round_has_the_keys_of_any_other_round(tmp_path, monkeypatch):
+    monkeypatch.setattr("strategies.personalized.new_secret", lambda: EMPTY_SECOND_ROUND)
+    config = {"method": "fedrep", "fedspc": True, "num-rounds": 3, "batch-size": 32,
+              "alpha": 1.0, "local-steps": 1, "checkpoint": False,
+              "output-dir": str(tmp_path), "run-name": "empty", "fraction-train": 0.3,
+              "dp-clipping-norm": 0.5, "dp-noise-multiplier": 0.01,
+              "dp-clipping-quantile": 0.5, "dp-clipped-count-stddev": 1.0,
+              "evaluate-before-aggregation": True, "dp-reference-smoothing": 0.5}
+    grid = InProcessGrid(client_app.app, 4, config)
+    assert run_server(grid, config) is None
+    drawn = Counter(m.content.config_records["config"]["server-round"] for m in grid.sent
+                    if m.metadata.message_type == MessageType.TRAIN)
+    assert drawn == {1: 2, 3: 4}
+    rows = json.loads((tmp_path / "empty" / METRICS_JSON).read_text())["rounds"]
+    assert [row["failed"] for row in rows] == [0, 0, 0]
+    assert set(rows[1]) == set(rows[0]) == set(rows[2])
+    assert not {"train-dropped", "train-loss", "accuracy-before-aggregation"} & set(rows[1])
+
+
+def dropped_round(bad: int, good: int, monkeypatch) -> tuple[list[str], list[str]]:
+    """The reasons and the warnings of a private round with ``bad`` unusable replies
+    and ``good`` usable ones among 4 drawn clients."""
+    warnings: list[str] = []
+    monkeypatch.setattr("strategies.personalized.log",
+                        lambda level, text, *args: warnings.append(text % args)
+                        if level == WARNING else None)
+    server = private_server(1.0, 4, 0.0)
+    server.configure_train(1, record({W: f32(0.0, 0.0)}), ConfigRecord(),
+                           FakeGrid([1, 2, 3, 4]))
+    replies = [reply({W: f32(0.1, 0.1)}, node=n, **{"num-examples": 5})
+               for n in range(1, good + 1)]
+    for node in range(good + 1, good + bad + 1):
+        failed = Message(Error(code=0, reason=f"client {node} diverged"),
+                         reply_to=reply({W: f32(0.1, 0.1)}, node=node))
+        replies.append(from_node(failed, node))
+    server.aggregate_train(1, replies)
+    return server.report.reasons, warnings
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_the_number_of_dropped_replies_is_read_neither_from_metrics_nor_logs(monkeypatch):
+    one = dropped_round(1, 3, monkeypatch)
+    three = dropped_round(3, 1, monkeypatch)
+    assert one == three == ([PRIVATE_DROPPED], [f"round 1: {PRIVATE_DROPPED}"])
+    none = dropped_round(0, 4, monkeypatch)
+    assert none == ([], [])
+    reasons, warnings = dropped_round(4, 0, monkeypatch)  # the round fails: one line
+    assert reasons == [PRIVATE_DROPPED] and len(warnings) == 1 and "failed" in warnings[0]

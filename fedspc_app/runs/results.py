@@ -64,10 +64,13 @@ ADAPTIVE_CLIPPING_COLUMNS = ("dp-clipping-norm", "dp-unclipped-fraction")
 # progress line, TensorBoard, W&B) leaves these out (docs/privacy.md, threat model):
 # every message carries the shared block, so a round's bytes divided by a message's
 # size count the clients it drew and that replied; and the wall time of a round and of
-# its phases grows with the clients in them. The checkpoint, the server's own, keeps
-# the full rows (a resumed run needs their times).
+# its phases grows with the clients in them. The mean train loss and accuracy before
+# aggregation are means over the drawn clients (with colluders' own values they tell
+# whether another was in them) and are missing in a round that drew nobody. The
+# checkpoint, the server's own, keeps the full rows (a resumed run needs their times).
 DP_WITHHELD = frozenset(("bytes-sent", "bytes-received", "round-seconds",
-                         "elapsed-seconds", "images-per-second", *TIMING_COLUMNS))
+                         "elapsed-seconds", "images-per-second", *TIMING_COLUMNS,
+                         "train-loss", "accuracy-before-aggregation"))
 CONFIG_JSON, METRICS_JSON, METRICS_CSV, SUMMARY_JSON = (
     "config.json", "metrics.json", "metrics.csv", "summary.json")
 SCALAR_COLUMNS = (
