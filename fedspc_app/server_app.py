@@ -275,9 +275,11 @@ def train(grid: Grid, checked: CheckedRun) -> None:
     traffic = TrafficGrid(grid)
     recorder = RunRecorder(config, traffic=traffic, echo=lambda line: log(INFO, "%s", line))
     identity = fingerprint(config, num_clients)
-    strategy = build_strategy(config, method, split, num_clients,
-                              train_sizes(checked.partition))
     try:
+        # Where the run's K is known only now (num-clients unset), adaptive clipping's
+        # σ_b > σ/2 is checked here: a ConfigError, reported as any other refusal.
+        strategy = build_strategy(config, method, split, num_clients,
+                                  train_sizes(checked.partition))
         num_rounds = privacy_budget(config, recorder)
         resumed = resume_point(config, identity)
         if resumed is not None:
