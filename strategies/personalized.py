@@ -60,7 +60,7 @@ from fedspc_app.core.protocol import (
 from fedspc_app.core.records import ArrayDict, from_record, to_record
 from fedspc_app.core.replies import ReplySchema, evaluate_schema, one_line, train_schema
 from strategies.aggregation import AggregationRule, mean_arrays
-from strategies.dp_release import Privacy, PrivateRelease
+from strategies.dp_release import Privacy, PrivateRelease, ReleaseError
 from strategies.drift import drift_statistics
 from strategies.sampling import PartitionSampler
 from strategies.server_optimizer import ServerOptimizer
@@ -265,6 +265,8 @@ class PersonalizedFedAvg(FedAvg):
 
     def load_state_dict(self, state: dict, completed_round: int,
                         global_reference: ArrayDict | None = None) -> None:
+        if self.release is not None:  # C_t checked first: a refusal changes nothing
+            self.release.load_state_dict(state)
         accepted = [int(v) for v in state[ACCEPTED_ROUNDS]]
         if len(accepted) != self.num_partitions:
             raise FedSPCError(f"the checkpoint holds {len(accepted)} clients, this run "
@@ -273,7 +275,6 @@ class PersonalizedFedAvg(FedAvg):
         self.durable_through = completed_round
         self.run_token = str(state.get(RUN_TOKEN, ""))
         if self.privacy is not None:
-            self.release.load_state_dict(state)
             if DP_SECRET in state:
                 self.use_secret(int(state[DP_SECRET], 16))
             else:
@@ -478,18 +479,36 @@ class PersonalizedFedAvg(FedAvg):
             # The Poisson draw was empty: release the noise alone, as the account
             # assumes (a round that released nothing would tell that nobody was drawn).
             self.report = RoundReport(server_round, 0, private=True)
-            return self.aggregate_accepted(server_round, [])
+            return self.released(server_round, [])
         accepted = self.accept_replies(server_round, replies)
         if not accepted:
             return None, None
         shortfall = self.rule.shortfall(len(accepted))
         if shortfall is not None:  # too few replies for the rule to bound f faulty ones
-            self.report.failed, self.report.accepted = True, 0
-            self.report.reasons.append(shortfall)
-            log(WARNING, "round %d failed: %s; the shared block stays as it was",
-                server_round, shortfall)
-            return None, None
+            return self.fail(server_round, shortfall)
+        if self.privacy is not None:
+            return self.released(server_round, accepted)
         return self.aggregate_accepted(server_round, accepted)
+
+    def fail(self, server_round: int, reason: str) -> tuple[None, None]:
+        """Fail the round for ``reason``: nothing aggregated, the block stays."""
+        self.report.failed, self.report.accepted = True, 0
+        self.report.reasons.append(reason)
+        log(WARNING, "round %d failed: %s; the shared block stays as it was",
+            server_round, reason)
+        return None, None
+
+    def released(self, server_round: int, accepted: Sequence[Message]
+                 ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """:meth:`aggregate_accepted` under differential privacy; a release that would
+        not be the mechanism's (:class:`ReleaseError`) fails the round instead, with
+        no reply accepted and C_t as it was."""
+        before = list(self.accepted_rounds)
+        try:
+            return self.aggregate_accepted(server_round, accepted)
+        except ReleaseError as error:
+            self.accepted_rounds = before
+            return self.fail(server_round, str(error))
 
     def aggregate_accepted(
         self, server_round: int, accepted: Sequence[Message]
