@@ -194,8 +194,9 @@ class PrivateRelease:
 
     def load_state_dict(self, state: dict) -> None:
         """C_t from a checkpoint, refused (:class:`FedSPCError`, nothing changed) when
-        adaptive clipping is on and it is missing or not a finite positive number: a
-        negative C would release the clean sum, a non-finite one no usable model."""
+        adaptive clipping is on and it is missing, not a finite positive number (a
+        negative C would release the clean sum, a non-finite one no usable model) or
+        outside the run's bounds."""
         if not self.privacy.adaptive:
             return
         if CLIPPING_NORM_STATE not in state:
@@ -207,6 +208,10 @@ class PrivateRelease:
                 or not math.isfinite(value) or value <= 0):
             raise FedSPCError(f"the checkpoint's clipping norm ('{CLIPPING_NORM_STATE}') "
                               f"is {value!r}, not a finite positive number")
+        low, high = self.privacy.clipping_bounds
+        if not low <= value <= high:
+            raise FedSPCError(f"the checkpoint's clipping norm ('{CLIPPING_NORM_STATE}') "
+                              f"is {value!r}, outside this run's bounds [{low:g}, {high:g}]")
         self.clipping_norm = float(value)
 
 

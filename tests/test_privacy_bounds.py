@@ -128,7 +128,7 @@ def adaptive(clip_on_server: bool = True) -> PersonalizedFedAvg:
 
 @pytest.mark.usefixtures("task_identity")
 @pytest.mark.parametrize("edited", [math.nan, -1.0, 0.0, math.inf, -math.inf, "abc",
-                                    "2.0", True, None, "missing"])
+                                    "2.0", True, None, "missing", 1e308, 0.01])
 def test_a_checkpoint_clipping_norm_that_is_not_finite_and_positive_is_refused(edited):
     server = adaptive()
     state = server.state_dict()
