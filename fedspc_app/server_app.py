@@ -116,7 +116,9 @@ def build_strategy(config: RunConfig, method: Method, split: ParameterSplit,
                          clipping_quantile=config.dp_clipping_quantile,
                          clipping_lr=config.dp_clipping_lr,
                          count_stddev=config.dp_clipped_count_stddev,
-                         reference_smoothing=config.dp_reference_smoothing)
+                         reference_smoothing=config.dp_reference_smoothing,
+                         min_clipping_factor=config.dp_clipping_norm_min_factor,
+                         max_clipping_factor=config.dp_clipping_norm_max_factor)
                  if config.dp else None),
         learning_rates=(round_learning_rates(config) if config.lr_schedule != "constant"
                         else None),
@@ -275,9 +277,11 @@ def train(grid: Grid, checked: CheckedRun) -> None:
     traffic = TrafficGrid(grid)
     recorder = RunRecorder(config, traffic=traffic, echo=lambda line: log(INFO, "%s", line))
     identity = fingerprint(config, num_clients)
-    strategy = build_strategy(config, method, split, num_clients,
-                              train_sizes(checked.partition))
     try:
+        # Where the run's K is known only now (num-clients unset), adaptive clipping's
+        # σ_b > σ/2 is checked here: a ConfigError, reported as any other refusal.
+        strategy = build_strategy(config, method, split, num_clients,
+                                  train_sizes(checked.partition))
         num_rounds = privacy_budget(config, recorder)
         resumed = resume_point(config, identity)
         if resumed is not None:
@@ -480,7 +484,8 @@ def adaptive_entry(config: RunConfig, strategy: PersonalizedFedAvg) -> dict[str,
         out["adaptive-clipping"] = {
             "target-quantile": config.dp_clipping_quantile,
             "learning-rate": config.dp_clipping_lr, "initial-clipping-norm":
-            config.dp_clipping_norm, "count-stddev": release.count_stddev,
+            config.dp_clipping_norm, "clipping-norm-bounds": list(
+                release.privacy.clipping_bounds), "count-stddev": release.count_stddev,
             "update-noise-multiplier": release.update_multiplier,
             "estimator": "C_{t+1} = C_t exp(−η_C (b̃ − γ)), b̃ = 1/2 + (Σ (b_k − 1/2) + "
                          "N(0, σ_b²)) / (q·K); the update's noise σ_Δ C_t with σ_Δ = "

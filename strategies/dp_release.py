@@ -21,6 +21,7 @@ noise standard deviation are used (:mod:`fedspc_app.core.dp_mechanism`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ from fedspc_app.core.dp_mechanism import (
     split_noise,
     update_norm,
 )
+from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.records import ArrayDict
 from strategies.aggregation import mean_arrays
 
@@ -76,6 +78,9 @@ class Privacy:
     reference_smoothing : float (default: 0.0)
         β in [0, 1): FedSPC's u_bar is β u_bar^{t-1} + (1 − β) (Algorithm 1's u_bar^t
         from the release); 0: Algorithm 1's.
+    min_clipping_factor, max_clipping_factor : float (default: 0.1, 10.0)
+        Adaptive clipping keeps C_t within [min·C_1, max·C_1], public bounds (0, inf:
+        none), so that clients who set their bits cannot push C_t without end.
     """
 
     clipping_norm: float
@@ -86,11 +91,24 @@ class Privacy:
     clipping_lr: float = 0.2
     count_stddev: float = 0.0
     reference_smoothing: float = 0.0
+    min_clipping_factor: float = 0.1
+    max_clipping_factor: float = 10.0
 
     @property
     def adaptive(self) -> bool:
         """Whether the clipping norm follows a quantile of the update norms."""
         return self.clipping_quantile > 0
+
+    @property
+    def clipping_bounds(self) -> tuple[float, float]:
+        """[low, high] of C_t under adaptive clipping: the factors times C_1."""
+        return (self.min_clipping_factor * self.clipping_norm,
+                self.max_clipping_factor * self.clipping_norm)
+
+
+class ReleaseError(FedSPCError):
+    """A round's release would not be the mechanism's (no noise where σ > 0, or a
+    value that is not finite): the round fails and releases nothing."""
 
 
 class PrivateRelease:
@@ -143,8 +161,14 @@ class PrivateRelease:
         if privacy.clip_on_server:
             updates = [clip_update(u, broadcast, keys, norm) for u in updates]
         std = noise_std(self.update_multiplier, norm, self.expected)
+        if self.update_multiplier > 0 and not std > 0:  # add_noise would add none
+            raise ReleaseError(f"the noise's standard deviation is {std!r} at clipping "
+                               f"norm {norm!r}: nothing is released without noise")
         released = add_noise(sum_estimate(broadcast, updates, keys, self.expected), keys,
                              std, secret_generator(secret, server_round, NOISE))
+        if not all(np.isfinite(released[key]).all() for key in keys):
+            raise ReleaseError(f"the release at clipping norm {norm!r} is not finite: "
+                               "nothing is released")
         self.round_clipping_norm = norm
         if privacy.adaptive:
             self.unclipped_fraction = noised_fraction(
@@ -152,7 +176,8 @@ class PrivateRelease:
                 secret_generator(secret, server_round, COUNT))
             self.clipping_norm = next_clipping_norm(norm, self.unclipped_fraction,
                                                     privacy.clipping_quantile,
-                                                    privacy.clipping_lr)
+                                                    privacy.clipping_lr,
+                                                    *privacy.clipping_bounds)
         return released
 
     def metrics(self) -> dict[str, float]:
@@ -168,8 +193,26 @@ class PrivateRelease:
         return {CLIPPING_NORM_STATE: self.clipping_norm} if self.privacy.adaptive else {}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.privacy.adaptive and CLIPPING_NORM_STATE in state:
-            self.clipping_norm = float(state[CLIPPING_NORM_STATE])
+        """C_t from a checkpoint, refused (:class:`FedSPCError`, nothing changed) when
+        adaptive clipping is on and it is missing, not a finite positive number (a
+        negative C would release the clean sum, a non-finite one no usable model) or
+        outside the run's bounds."""
+        if not self.privacy.adaptive:
+            return
+        if CLIPPING_NORM_STATE not in state:
+            raise FedSPCError(f"the checkpoint holds no clipping norm "
+                              f"('{CLIPPING_NORM_STATE}'), and adaptive clipping needs "
+                              "the one it reached")
+        value = state[CLIPPING_NORM_STATE]
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value) or value <= 0):
+            raise FedSPCError(f"the checkpoint's clipping norm ('{CLIPPING_NORM_STATE}') "
+                              f"is {value!r}, not a finite positive number")
+        low, high = self.privacy.clipping_bounds
+        if not low <= value <= high:
+            raise FedSPCError(f"the checkpoint's clipping norm ('{CLIPPING_NORM_STATE}') "
+                              f"is {value!r}, outside this run's bounds [{low:g}, {high:g}]")
+        self.clipping_norm = float(value)
 
 
 def sum_estimate(broadcast: ArrayDict, updates: Sequence[ArrayDict], keys: Sequence[str],

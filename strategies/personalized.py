@@ -60,7 +60,7 @@ from fedspc_app.core.protocol import (
 from fedspc_app.core.records import ArrayDict, from_record, to_record
 from fedspc_app.core.replies import ReplySchema, evaluate_schema, one_line, train_schema
 from strategies.aggregation import AggregationRule, mean_arrays
-from strategies.dp_release import Privacy, PrivateRelease
+from strategies.dp_release import Privacy, PrivateRelease, ReleaseError
 from strategies.drift import drift_statistics
 from strategies.sampling import PartitionSampler
 from strategies.server_optimizer import ServerOptimizer
@@ -72,6 +72,10 @@ from strategies.summaries import (
 )
 
 DP_SECRET = "dp-secret"  # the checkpoint's key of the privacy secret
+# Under differential privacy a round's one reason, whatever was dropped or missing:
+# which replies, how many and why would tell who and how many were drawn.
+PRIVATE_DROPPED = ("replies of drawn clients were dropped or did not come (which, how "
+                   "many and why is withheld under differential privacy)")
 
 
 @dataclass
@@ -261,6 +265,8 @@ class PersonalizedFedAvg(FedAvg):
 
     def load_state_dict(self, state: dict, completed_round: int,
                         global_reference: ArrayDict | None = None) -> None:
+        if self.release is not None:  # C_t checked first: a refusal changes nothing
+            self.release.load_state_dict(state)
         accepted = [int(v) for v in state[ACCEPTED_ROUNDS]]
         if len(accepted) != self.num_partitions:
             raise FedSPCError(f"the checkpoint holds {len(accepted)} clients, this run "
@@ -269,7 +275,6 @@ class PersonalizedFedAvg(FedAvg):
         self.durable_through = completed_round
         self.run_token = str(state.get(RUN_TOKEN, ""))
         if self.privacy is not None:
-            self.release.load_state_dict(state)
             if DP_SECRET in state:
                 self.use_secret(int(state[DP_SECRET], 16))
             else:
@@ -418,7 +423,7 @@ class PersonalizedFedAvg(FedAvg):
         replies = list(replies)
         sampled = max(self.sampled, len(replies))
         report = RoundReport(server_round, sampled, private=self.privacy is not None)
-        accepted, partitions = [], set()
+        accepted, partitions, withheld = [], set(), False
         for message in replies:
             reason = self.check_reply(message)
             if reason is None:
@@ -428,24 +433,27 @@ class PersonalizedFedAvg(FedAvg):
                 partitions.add(partition)
             if reason is None:
                 accepted.append(message)
-            else:
+            elif report.private:
                 # Under differential privacy the log and metrics.json say neither whose
                 # reply it was nor why (a client's error text, or a count its partition
-                # implies, can name it): who was drawn stays the server's.
-                who, reason = ((f"node {message.metadata.src_node_id}", one_line(reason))
-                               if self.privacy is None else
-                               ("a drawn client", "withheld under differential privacy"))
+                # implies, can name it), nor how many: one reason and at most one
+                # warning a round (PRIVATE_DROPPED). Who was drawn stays the server's.
+                withheld = True
+            else:
+                who, reason = f"node {message.metadata.src_node_id}", one_line(reason)
                 report.reasons.append(f"{who}: {reason}")
                 log(WARNING, "round %d: dropped the reply of %s: %s", server_round, who,
                     reason)
-        if sampled > len(replies):
-            report.reasons.append("some drawn clients did not reply within the round "
-                                  "timeout" if report.private else
-                                  f"{sampled - len(replies)} sampled client(s) did not "
+        if report.private and (withheld or sampled > len(replies)):
+            report.reasons.append(PRIVATE_DROPPED)
+        elif sampled > len(replies):
+            report.reasons.append(f"{sampled - len(replies)} sampled client(s) did not "
                                   "reply within the round timeout")
         report.accepted = len(accepted)
         needed = max(1, math.ceil(self.min_train_replies * sampled - 1e-9))
         self.report = report
+        if report.private and report.reasons and len(accepted) >= needed:
+            log(WARNING, "round %d: %s", server_round, PRIVATE_DROPPED)
         if len(accepted) < needed:
             report.failed = True
             report.accepted = 0
@@ -470,19 +478,37 @@ class PersonalizedFedAvg(FedAvg):
         if self.privacy is not None and self.sampled == 0 and not replies:
             # The Poisson draw was empty: release the noise alone, as the account
             # assumes (a round that released nothing would tell that nobody was drawn).
-            self.report = RoundReport(server_round, 0)
-            return self.aggregate_accepted(server_round, [])
+            self.report = RoundReport(server_round, 0, private=True)
+            return self.released(server_round, [])
         accepted = self.accept_replies(server_round, replies)
         if not accepted:
             return None, None
         shortfall = self.rule.shortfall(len(accepted))
         if shortfall is not None:  # too few replies for the rule to bound f faulty ones
-            self.report.failed, self.report.accepted = True, 0
-            self.report.reasons.append(shortfall)
-            log(WARNING, "round %d failed: %s; the shared block stays as it was",
-                server_round, shortfall)
-            return None, None
+            return self.fail(server_round, shortfall)
+        if self.privacy is not None:
+            return self.released(server_round, accepted)
         return self.aggregate_accepted(server_round, accepted)
+
+    def fail(self, server_round: int, reason: str) -> tuple[None, None]:
+        """Fail the round for ``reason``: nothing aggregated, the block stays."""
+        self.report.failed, self.report.accepted = True, 0
+        self.report.reasons.append(reason)
+        log(WARNING, "round %d failed: %s; the shared block stays as it was",
+            server_round, reason)
+        return None, None
+
+    def released(self, server_round: int, accepted: Sequence[Message]
+                 ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """:meth:`aggregate_accepted` under differential privacy; a release that would
+        not be the mechanism's (:class:`ReleaseError`) fails the round instead, with
+        no reply accepted and C_t as it was."""
+        before = list(self.accepted_rounds)
+        try:
+            return self.aggregate_accepted(server_round, accepted)
+        except ReleaseError as error:
+            self.accepted_rounds = before
+            return self.fail(server_round, str(error))
 
     def aggregate_accepted(
         self, server_round: int, accepted: Sequence[Message]

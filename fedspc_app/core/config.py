@@ -45,6 +45,8 @@ ATTACKS = ("none", "scale", "sign-flip", "noise", "small-steps", "bias")
 DP_CLIPPING = ("client", "server")
 DP_ACCOUNTANTS = ("rdp", "pld")  # dp_accounting's, under add/remove of one client
 COUNT_STDDEV_SHARE = 1 / 20  # adaptive clipping's σ_b unless set: q·K/20 (Andrew et al.)
+MAX_CLIPPING_LR = 1.0  # η_C: a round moves the clipping norm by at most a factor e
+MAX_REFERENCE_SMOOTHING = 0.99  # β of u_bar's smoothing (float32 u_bar; the lag)
 LR_SCHEDULES = ("constant", "exponential", "cosine", "step")
 WANDB_MODES = ("offline", "online", "disabled")
 AUGMENTS = ("auto", "none", "crop-flip")
@@ -230,6 +232,10 @@ class RunConfig:
     dp_clipping_lr: float = 0.2
     dp_clipped_count_stddev: float = 0.0
     dp_reference_smoothing: float = 0.0
+    # Adaptive clipping's public bounds on C_t, as factors of dp-clipping-norm (C_1):
+    # C_t stays in [min·C_1, max·C_1]; 0 / inf: no bound
+    dp_clipping_norm_min_factor: float = 0.1
+    dp_clipping_norm_max_factor: float = 10.0
 
     # Fault injection for tests and experiments: lying clients (clients/attack.py)
     attack: str = "none"
@@ -393,10 +399,23 @@ def _check_adaptive(config: RunConfig, corrects: bool) -> None:
     if not (quantile == 0.0 or 0.0 < quantile < 1.0):
         raise ConfigError("run-config 'dp-clipping-quantile' must be 0 (a fixed "
                           f"dp-clipping-norm) or in (0, 1), got {quantile!r}")
-    _at_least("dp-clipping-lr", config.dp_clipping_lr, 0.0, strict=True)
+    # η_C ≤ 1: one round moves C by at most a factor e^{η_C max(γ, 1 − γ)} ≤ e; a
+    # larger step follows one round's noised count by orders of magnitude (and from
+    # about 700 overflows a float), no longer tracking a quantile.
+    if not 0.0 < config.dp_clipping_lr <= MAX_CLIPPING_LR:
+        raise ConfigError(f"run-config 'dp-clipping-lr' must be in (0, {MAX_CLIPPING_LR:g}], "
+                          f"got {config.dp_clipping_lr!r}")
     _at_least("dp-clipped-count-stddev", count_std, 0.0)
-    if not 0.0 <= config.dp_reference_smoothing < 1.0:
-        raise ConfigError("run-config 'dp-reference-smoothing' must be in [0, 1), got "
+    low, high = config.dp_clipping_norm_min_factor, config.dp_clipping_norm_max_factor
+    if not 0.0 <= low <= 1.0 or not high >= 1.0:  # (NaN fails both)
+        raise ConfigError("run-config 'dp-clipping-norm-min-factor' must be in [0, 1] and "
+                          "'dp-clipping-norm-max-factor' >= 1 (inf: no bound), got "
+                          f"{low!r} and {high!r}")
+    # β ≤ 0.99: a lag of 99 rounds at q = 1 already; closer to 1, u_bar's float32 loses
+    # each round's (1 − β)-sized step (from β ≈ 0.99999 it no longer moves).
+    if not 0.0 <= config.dp_reference_smoothing <= MAX_REFERENCE_SMOOTHING:
+        raise ConfigError("run-config 'dp-reference-smoothing' must be in "
+                          f"[0, {MAX_REFERENCE_SMOOTHING:g}], got "
                           f"{config.dp_reference_smoothing!r}")
     if quantile == 0.0 and count_std > 0:
         raise ConfigError("run-config 'dp-clipped-count-stddev' is the noise of adaptive "
@@ -415,12 +434,12 @@ def _check_adaptive(config: RunConfig, corrects: bool) -> None:
             + ("(q·K/20) " if not config.dp_clipped_count_stddev else "")
             + f"is too small for 'dp-noise-multiplier' σ = {sigma:g}: the update's "
             "multiplier (σ^-2 - (2σ_b)^-2)^(-1/2) needs σ_b > σ/2")
-    if config.dp_reference_smoothing > 0 and not (config.dp and corrects):
+    if config.dp_reference_smoothing > 0 and not (config.dp and corrects and sigma > 0):
         raise ConfigError(
             "run-config 'dp-reference-smoothing' > 0 needs differential privacy and "
-            "FedSPC (fedspc = true, or a method with control variates): it damps the "
-            "noise u_bar takes from the privatized aggregate; without privacy u_bar is "
-            "the exact mean of the u_k and has no noise to damp")
+            "FedSPC (fedspc = true, or a method with control variates) with noise "
+            "('dp-noise-multiplier' > 0): it damps the noise u_bar takes from the "
+            "privatized aggregate; without noise u_bar has none to damp")
 
 
 def _check_privacy(config: RunConfig) -> None:

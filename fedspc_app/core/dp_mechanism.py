@@ -27,6 +27,7 @@ round's account is the fixed-C run's.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -136,11 +137,22 @@ def noised_fraction(bits: Iterable[int], expected_clients: float, count_stddev: 
     return min(1.0, max(0.0, 0.5 + (centred + noise) / expected_clients))
 
 
+# Where C_{t+1} is kept whatever the step: finite and positive.
+SMALLEST_NORM, LARGEST_NORM = sys.float_info.min, sys.float_info.max
+
+
 def next_clipping_norm(clipping_norm: float, fraction: float, quantile: float,
-                       learning_rate: float) -> float:
+                       learning_rate: float, low: float = 0.0,
+                       high: float = math.inf) -> float:
     """C_{t+1} = C_t · exp(−η_C (b̃ − γ)), the geometric update of Andrew et al.: more
-    than γ of the updates within C shrinks it, fewer grows it."""
-    return clipping_norm * math.exp(-learning_rate * (fraction - quantile))
+    than γ of the updates within C shrinks it, fewer grows it; then clamped to the
+    public bounds [``low``, ``high``] and, whatever they are, to a finite positive
+    float (post-processing of the release: no privacy cost). The exponent is clamped
+    where ``math.exp`` would overflow, which only a step far beyond the configurable
+    η_C ≤ 1 reaches."""
+    exponent = min(max(-learning_rate * (fraction - quantile), -700.0), 700.0)
+    norm = min(max(clipping_norm * math.exp(exponent), low), high)
+    return min(max(norm, SMALLEST_NORM), LARGEST_NORM)
 
 
 def smooth(previous: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray],

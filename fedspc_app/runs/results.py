@@ -60,6 +60,17 @@ HELD_OUT_COLUMNS = ("held-out-accuracy", "held-out-weighted-accuracy", "held-out
 # Adaptive clipping under differential privacy (strategies/dp_release.py): the round's
 # clipping norm C_t and the noised fraction of updates within it (both releases).
 ADAPTIVE_CLIPPING_COLUMNS = ("dp-clipping-norm", "dp-unclipped-fraction")
+# Under differential privacy a round's published row (metrics.json, metrics.csv, the
+# progress line, TensorBoard, W&B) leaves these out (docs/privacy.md, threat model):
+# every message carries the shared block, so a round's bytes divided by a message's
+# size count the clients it drew and that replied; and the wall time of a round and of
+# its phases grows with the clients in them. The mean train loss and accuracy before
+# aggregation are means over the drawn clients (with colluders' own values they tell
+# whether another was in them) and are missing in a round that drew nobody. The
+# checkpoint, the server's own, keeps the full rows (a resumed run needs their times).
+DP_WITHHELD = frozenset(("bytes-sent", "bytes-received", "round-seconds",
+                         "elapsed-seconds", "images-per-second", *TIMING_COLUMNS,
+                         "train-loss", "accuracy-before-aggregation"))
 CONFIG_JSON, METRICS_JSON, METRICS_CSV, SUMMARY_JSON = (
     "config.json", "metrics.json", "metrics.csv", "summary.json")
 SCALAR_COLUMNS = (
@@ -277,8 +288,9 @@ class RunRecorder:
         # already spent training: it counts towards the round (and its images/s).
         last_end = float(self.rounds[-1]["elapsed-seconds"]) if self.rounds else 0.0
         self.last = min(now, self.started + last_end)
-        self.scalars.open(self.config, self.run_dir, self.rounds)
-        self.wandb.open(self.config, self.run_dir, settings, self.rounds)
+        shown = [self.published(row) for row in self.rounds]
+        self.scalars.open(self.config, self.run_dir, shown)
+        self.wandb.open(self.config, self.run_dir, settings, shown)
         if self.rounds:
             self._write_metrics()
             self.echo(f"Results: {self.run_dir} (resumed after round "
@@ -290,11 +302,21 @@ class RunRecorder:
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
+    def published(self, row: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``row`` as the results folder shows it: without :data:`DP_WITHHELD` under
+        differential privacy, as it is otherwise."""
+        if not self.config.dp:
+            return row
+        return {key: value for key, value in row.items() if key not in DP_WITHHELD}
+
     def _write_metrics(self, summary: Mapping[str, Any] | None = None) -> None:
-        payload = {"run-name": self.config.resolved_run_name, "rounds": self.rounds}
+        rows = [self.published(row) for row in self.rounds]
+        payload = {"run-name": self.config.resolved_run_name, "rounds": rows}
         if summary is not None:
             payload["summary"] = summary
-        write_metrics(self.run_dir, _clean_tree(payload), self.rounds, SCALAR_COLUMNS)
+        columns = (SCALAR_COLUMNS if not self.config.dp else
+                   tuple(c for c in SCALAR_COLUMNS if c not in DP_WITHHELD))
+        write_metrics(self.run_dir, _clean_tree(payload), rows, columns)
 
     # ---------------------------------------------------------------- rounds
     def on_round_end(self, server_round: int, train: MetricRecord | None,
@@ -378,15 +400,16 @@ class RunRecorder:
                     zip(evaluate["held-out-client-ids"], evaluate["held-out-client-accuracy"])}
         self.rounds.append(row)
         self._write_metrics()
-        self.scalars.write(row)
-        self.wandb.write(row)
-        self.echo(self.progress_line(row))
+        shown = self.published(row)
+        self.scalars.write(shown)
+        self.wandb.write(shown)
+        self.echo(self.progress_line(shown))
 
     def progress_line(self, row: Mapping[str, Any]) -> str:
+        """The round's line; its traffic, time and ETA only where ``row`` has them
+        (not under differential privacy)."""
         total = self.num_rounds
         done = row["round"]
-        mean = row["elapsed-seconds"] / max(done, 1)
-        eta = format_duration(mean * (total - done))
         acc = row.get("accuracy")
         acc_text = "n/a" if acc is None else f"{100 * acc:6.2f}%"
         if row.get("held-out-accuracy") is not None:
@@ -396,13 +419,17 @@ class RunRecorder:
                         else f"FAILED ({row['train-dropped']} unusable replies)")
         loss = row.get("loss")
         loss_text = "n/a" if loss is None else f"{loss:.4f}"
+        traffic = (f" | sent {row['bytes-sent'] / 1e6:.1f} MB, received "
+                   f"{row['bytes-received'] / 1e6:.1f} MB" if "bytes-sent" in row else "")
+        timing = ""
+        if "round-seconds" in row:
+            eta = format_duration(row["elapsed-seconds"] / max(done, 1) * (total - done))
+            timing = f" | {row['round-seconds']:.1f} s | ETA {eta}"
         return (f"[{self.config.label}] round {done:>{len(str(total))}}/{total}"
-                f" | accuracy {acc_text} | loss {loss_text}"
-                f" | sent {row['bytes-sent'] / 1e6:.1f} MB, received "
-                f"{row['bytes-received'] / 1e6:.1f} MB"
+                f" | accuracy {acc_text} | loss {loss_text}" + traffic
                 + (f" | ε {row['dp-epsilon']:.2f}" if row.get("dp-epsilon") is not None
                    else "")
-                + f" | {row['round-seconds']:.1f} s | ETA {eta}")
+                + timing)
 
     def finish(self, *, can_extend: bool | None = None, paused: int | None = None,
                paused_by: str = "") -> dict[str, Any]:
@@ -444,9 +471,10 @@ class RunRecorder:
                    if "held-out-accuracy" in final else {}),
                 "best-round": best["round"],
                 "best-accuracy": best["accuracy"],
-                "bytes-sent": sum(r["bytes-sent"] for r in self.rounds),
-                "bytes-received": sum(r["bytes-received"] for r in self.rounds),
             })
+            if not self.config.dp:  # the totals count the run's draws (DP_WITHHELD)
+                summary["bytes-sent"] = sum(r["bytes-sent"] for r in self.rounds)
+                summary["bytes-received"] = sum(r["bytes-received"] for r in self.rounds)
         self._write_metrics(summary)
         write_summary(self.run_dir, _clean_tree(summary))
         self.scalars.close()

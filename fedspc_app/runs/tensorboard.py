@@ -26,7 +26,10 @@ its per-client ones (each its own TensorBoard section, one chart per client):
   ``client-accuracy-before-aggregation/<k>``, ``client-update-norms/<k>``,
   ``client-update-cosines/<k>``.
 
-Missing, None and non-finite values are left out. A resumed run opens its writer with
+Missing, None and non-finite values are left out. Under differential privacy the rows
+come without what would count a round's clients (``results.DP_WITHHELD``), and every
+event is stamped with wall time 0 rather than when it was written (the time between
+two rounds' events would be the round's time). A resumed run opens its writer with
 ``purge_step`` = the first round it writes, so that TensorBoard drops what an
 interrupted run wrote for that round and later ones; a new run clears the folder.
 """
@@ -123,6 +126,7 @@ class RoundScalars:
 
     def __init__(self) -> None:
         self.writer: Any = None
+        self.walltime: float | None = None  # each event's wall time (None: now)
 
     def open(self, config: RunConfig, run_dir: Path,
              rounds: Iterable[Mapping[str, Any]] = ()) -> None:
@@ -136,6 +140,7 @@ class RoundScalars:
         if not config.tensorboard:
             return
         rounds = list(rounds)
+        self.walltime = 0.0 if config.dp else None
         folder = Path(run_dir) / FOLDER
         if not rounds:  # a new run: an earlier run's events are not its own
             shutil.rmtree(folder, ignore_errors=True)
@@ -152,7 +157,7 @@ class RoundScalars:
             return
         step = int(row["round"])
         for name, value in round_scalars(row):
-            self.writer.add_scalar(name, value, global_step=step)
+            self.writer.add_scalar(name, value, global_step=step, walltime=self.walltime)
         self.writer.flush()
 
     def close(self) -> None:

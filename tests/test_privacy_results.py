@@ -1,0 +1,161 @@
+"""Under differential privacy the results folder says nothing of how many clients a
+round drew or how many replied (docs/privacy.md, threat model): no traffic, no round
+or phase timings, no train loss or accuracy before aggregation, at most one dropped
+reason, one warning a round; an empty draw looks like any other round."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import Counter
+from logging import WARNING
+from pathlib import Path
+
+import pytest
+from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord
+from inprocess import InProcessGrid, run_server
+from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+from test_privacy_secret import private_server
+from test_strategies import FakeGrid, f32, from_node, record, reply
+
+from fedspc_app import client_app
+from fedspc_app.core.config import parse_run_config
+from fedspc_app.runs.results import (
+    DP_WITHHELD,
+    METRICS_CSV,
+    METRICS_JSON,
+    SUMMARY_JSON,
+    RunRecorder,
+)
+from fedspc_app.runs.tensorboard import FOLDER
+from strategies.personalized import PRIVATE_DROPPED
+
+W = "w"
+
+
+class Traffic:
+    """Stands for the TrafficGrid: a round's bytes, as if m clients were messaged."""
+
+    def __init__(self) -> None:
+        self.sent = self.received = 0
+
+    def take(self) -> tuple[int, int]:
+        out = (self.sent, self.received)
+        self.sent = self.received = 0
+        return out
+
+
+def train_metrics(loss: float) -> MetricRecord:
+    return MetricRecord({"train-loss": loss, "update-norm": 0.5, "phase-seconds": 1.5,
+                         "client-work-seconds": 3.0, "worker-start-seconds": 0.2,
+                         "accuracy-before-aggregation": 0.3})
+
+
+def evaluate_metrics() -> MetricRecord:
+    return MetricRecord({"accuracy": 0.4, "weighted-accuracy": 0.4, "loss": 1.0,
+                         "clients": 4, "client-ids": [0, 1, 2, 3], "phase-seconds": 0.5,
+                         "client-setup-seconds": 0.1})
+
+
+def record_run(tmp_path: Path, dp: bool) -> tuple[RunRecorder, list[str]]:
+    settings = {"output-dir": str(tmp_path), "run-name": "dp" if dp else "plain",
+                "num-rounds": 3, "tensorboard": True, "local-steps": 1}
+    if dp:
+        settings.update({"dp-clipping-norm": 1.0, "dp-noise-multiplier": 1.0})
+    lines: list[str] = []
+    traffic = Traffic()
+    recorder = RunRecorder(parse_run_config(settings), traffic=traffic, echo=lines.append)
+    recorder.start()
+    for server_round, drawn in ((1, 3), (2, 1), (3, 4)):
+        traffic.sent, traffic.received = 1000 * drawn, 700 * drawn
+        recorder.on_round_end(server_round, train_metrics(0.1 * drawn), evaluate_metrics())
+    recorder.finish()
+    return recorder, lines
+
+
+def test_under_privacy_no_traffic_or_timing_is_written_anywhere(tmp_path):
+    recorder, lines = record_run(tmp_path, dp=True)
+    run_dir = recorder.run_dir
+    rows = json.loads((run_dir / METRICS_JSON).read_text())["rounds"]
+    assert [key for row in rows for key in row if key in DP_WITHHELD] == []
+    assert all(row["accuracy"] == 0.4 and row["update-norm"] == 0.5 for row in rows)
+    with (run_dir / METRICS_CSV).open(newline="") as file:
+        header = next(csv.reader(file))
+    assert not set(header) & DP_WITHHELD and "accuracy" in header
+    summary = json.loads((run_dir / SUMMARY_JSON).read_text())
+    assert not set(summary) & DP_WITHHELD and "bytes-sent" not in summary
+    round_lines = [line for line in lines if " round " in line and "|" in line]
+    assert len(round_lines) == 3
+    assert not any("MB" in line or "ETA" in line or " s |" in line for line in round_lines)
+    accumulator = EventAccumulator(str(run_dir / FOLDER), size_guidance={SCALARS: 0})
+    accumulator.Reload()
+    tags = accumulator.Tags()["scalars"]
+    assert tags and not [t for t in tags if t.startswith("traffic/") or "seconds" in t]
+    assert {e.wall_time for t in tags for e in accumulator.Scalars(t)} == {0.0}
+    # The checkpoint's rows (the server's own) keep them, for a resumed run.
+    assert recorder.rounds[1]["bytes-sent"] == 1000 and "round-seconds" in recorder.rounds[1]
+
+
+def test_without_privacy_traffic_and_timings_are_still_written(tmp_path):
+    recorder, lines = record_run(tmp_path, dp=False)
+    rows = json.loads((recorder.run_dir / METRICS_JSON).read_text())["rounds"]
+    assert [row["bytes-sent"] for row in rows] == [3000, 1000, 4000]
+    assert all("round-seconds" in row and "train-seconds" in row for row in rows)
+    summary = json.loads((recorder.run_dir / SUMMARY_JSON).read_text())
+    assert summary["bytes-sent"] == 8000 and summary["bytes-received"] == 5600
+    assert "sent 0.0 MB, received 0.0 MB" in lines[-2] and "ETA" in lines[-2]
+
+
+# Round 2 of this secret draws nobody at q = 0.3 among 4 clients; rounds 1 and 3 draw
+# 2 and 4 (fedspc_app.core.dp_mechanism.secret_generator).
+EMPTY_SECOND_ROUND = 53
+
+
+def test_an_empty_draw_round_has_the_keys_of_any_other_round(tmp_path, monkeypatch):
+    monkeypatch.setattr("strategies.personalized.new_secret", lambda: EMPTY_SECOND_ROUND)
+    config = {"method": "fedrep", "fedspc": True, "num-rounds": 3, "batch-size": 32,
+              "alpha": 1.0, "local-steps": 1, "checkpoint": False,
+              "output-dir": str(tmp_path), "run-name": "empty", "fraction-train": 0.3,
+              "dp-clipping-norm": 0.5, "dp-noise-multiplier": 0.01,
+              "dp-clipping-quantile": 0.5, "dp-clipped-count-stddev": 1.0,
+              "evaluate-before-aggregation": True, "dp-reference-smoothing": 0.5}
+    grid = InProcessGrid(client_app.app, 4, config)
+    assert run_server(grid, config) is None
+    drawn = Counter(m.content.config_records["config"]["server-round"] for m in grid.sent
+                    if m.metadata.message_type == MessageType.TRAIN)
+    assert drawn == {1: 2, 3: 4}
+    rows = json.loads((tmp_path / "empty" / METRICS_JSON).read_text())["rounds"]
+    assert [row["failed"] for row in rows] == [0, 0, 0]
+    assert set(rows[1]) == set(rows[0]) == set(rows[2])
+    assert not {"train-dropped", "train-loss", "accuracy-before-aggregation"} & set(rows[1])
+
+
+def dropped_round(bad: int, good: int, monkeypatch) -> tuple[list[str], list[str]]:
+    """The reasons and the warnings of a private round with ``bad`` unusable replies
+    and ``good`` usable ones among 4 drawn clients."""
+    warnings: list[str] = []
+    monkeypatch.setattr("strategies.personalized.log",
+                        lambda level, text, *args: warnings.append(text % args)
+                        if level == WARNING else None)
+    server = private_server(1.0, 4, 0.0)
+    server.configure_train(1, record({W: f32(0.0, 0.0)}), ConfigRecord(),
+                           FakeGrid([1, 2, 3, 4]))
+    replies = [reply({W: f32(0.1, 0.1)}, node=n, **{"num-examples": 5})
+               for n in range(1, good + 1)]
+    for node in range(good + 1, good + bad + 1):
+        failed = Message(Error(code=0, reason=f"client {node} diverged"),
+                         reply_to=reply({W: f32(0.1, 0.1)}, node=node))
+        replies.append(from_node(failed, node))
+    server.aggregate_train(1, replies)
+    return server.report.reasons, warnings
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_the_number_of_dropped_replies_is_read_neither_from_metrics_nor_logs(monkeypatch):
+    one = dropped_round(1, 3, monkeypatch)
+    three = dropped_round(3, 1, monkeypatch)
+    assert one == three == ([PRIVATE_DROPPED], [f"round 1: {PRIVATE_DROPPED}"])
+    none = dropped_round(0, 4, monkeypatch)
+    assert none == ([], [])
+    reasons, warnings = dropped_round(4, 0, monkeypatch)  # the round fails: one line
+    assert reasons == [PRIVATE_DROPPED] and len(warnings) == 1 and "failed" in warnings[0]
