@@ -80,6 +80,13 @@ def dispatch_waves(messages: list[Message], expected: Mapping[int, float] | None
     return waves
 
 
+def train_order(strategy, durations: Mapping[int, float]) -> Mapping[int, float] | None:
+    """What orders the training messages into waves: the nodes' last training times,
+    or, under differential privacy, nothing (one wave): with waves, when a drawn
+    client's message arrives would depend on which other clients were drawn."""
+    return None if getattr(strategy, "privacy", None) is not None else durations
+
+
 def exchange(grid: Grid, messages: Iterable[Message], *, timeout: float | None,
              expected: Mapping[int, float] | None = None, pull_interval: float = 0.1,
              wave_gap: float = 0.15, max_waves: int = 10) -> list[Message]:
@@ -145,7 +152,7 @@ def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
             started, sent_at = time.perf_counter(), time.time()
             replies = exchange(
                 grid, strategy.configure_train(server_round, arrays, train_config, grid),
-                timeout=timeout, expected=durations["train"])
+                timeout=timeout, expected=train_order(strategy, durations["train"]))
             record_durations(durations["train"], replies)
             aggregated, train_metrics = strategy.aggregate_train(server_round, replies)
             if train_metrics is not None:

@@ -220,3 +220,21 @@ def test_worker_startup_is_read_from_the_replies_to_a_process_first_message():
                                                     "worker-import-seconds": 1.0,
                                                     "worker-imported-seconds": 3.5}
     assert startup.worker_startup(replies[2:], sent) == {}
+
+
+def test_under_privacy_the_training_messages_go_out_in_one_wave(clock):
+    # With waves, the gap before a drawn client's message would count the other drawn
+    # clients ahead of it: colluders could read another client's draw from it.
+    class Private:
+        privacy = object()
+
+    class Plain:
+        privacy = None
+
+    durations = {1: 1.0, 2: 9.0, 3: 5.0}
+    assert rounds.train_order(Plain(), durations) is durations
+    assert rounds.train_order(Private(), durations) is None
+    grid = ScriptedGrid(clock)
+    exchange(grid, [message(n) for n in (1, 2, 3)], timeout=5,
+             expected=rounds.train_order(Private(), durations))
+    assert grid.waves == [[1, 2, 3]]

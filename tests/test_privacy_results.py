@@ -159,3 +159,16 @@ def test_the_number_of_dropped_replies_is_read_neither_from_metrics_nor_logs(mon
     assert none == ([], [])
     reasons, warnings = dropped_round(4, 0, monkeypatch)  # the round fails: one line
     assert reasons == [PRIVATE_DROPPED] and len(warnings) == 1 and "failed" in warnings[0]
+
+
+def test_a_personal_model_method_is_refused_under_privacy():
+    # Ditto evaluates each client's personal model, which changes only when its client
+    # is drawn: the published means, less the colluders' own, show another's draws.
+    from fedspc_app.core.config import parse_run_config
+    from fedspc_app.core.errors import ConfigError
+
+    settings = {"dp-clipping-norm": 1.0, "dp-noise-multiplier": 1.0, "local-steps": 5}
+    with pytest.raises(ConfigError, match="personal model .* refused"):
+        parse_run_config({"method": "ditto", **settings})
+    parse_run_config({"method": "fedrep", **settings})
+    parse_run_config({"method": "ditto"})  # without privacy: as before
