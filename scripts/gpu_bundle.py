@@ -10,8 +10,8 @@ It is built from the distributions installed in the running environment and hold
 * ``app/``: the app (its packages, ``pyproject.toml``, ``conf/``, ``scripts/``) as
   ``git ls-files`` lists it, read from the working tree;
 * ``install.sh``: run on the target machine after unpacking. It checks the interpreter
-  (the same CPython minor version and platform as the one that built the bundle: the
-  bundle holds compiled extension modules) and the distributions it expects there,
+  (the CPython minor version and platform the bundle was built for: it holds compiled
+  extension modules) and the distributions it expects there,
   writes Flower's console scripts (``flwr``, ``flower-superlink``, ...) for that
   interpreter, and makes ``lib/`` and ``app/`` importable, through a ``.pth`` file in
   the interpreter's site-packages or, with ``--env-only``, through ``env.sh``;
@@ -21,8 +21,16 @@ Left out on purpose (the app imports them only where noted): scikit-learn (the
 ``digits`` dataset), matplotlib (the experiment reports' figures), dp-accounting (the
 privacy account of runs with differential privacy): with SciPy they would not fit.
 
+For a machine with another Python, ``--python-version X.Y`` builds it from the CPython
+X.Y wheels (Linux x86_64) of the versions installed here instead (:class:`Wheels`,
+cached in ``build/wheels-cpXY``), relying on the target for a distribution it has
+(:data:`TARGET_IMAGE`: the lent GPU machines' image, or ``--target-has``) only where
+that cannot fail without knowing its version (:func:`resolve_wheels`); the installer
+then checks those.
+
     python scripts/gpu_bundle.py                      # build/fedspc-gpu-bundle-cp311-...
     python scripts/gpu_bundle.py --out /tmp/b.tar.xz --stage /tmp/stage
+    python scripts/gpu_bundle.py --python-version 3.12   # ...-cp312-... from wheels
 
 Prints the archive's size; exits non-zero when it exceeds ``--limit-mb`` (40).
 """
