@@ -12,6 +12,7 @@ clock (a simulation, one machine).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 
 from flwr.app import Message
@@ -41,11 +42,14 @@ def process_started_at() -> float | None:
             # Field 22, counted after the parenthesised command name: clock ticks
             # since boot.
             ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat", encoding="ascii") as boot:
-            booted = next(int(line.split()[1]) for line in boot
-                          if line.startswith("btime "))
-        return booted + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        # The process's age on the clock of its start (seconds since boot, as
+        # /proc/uptime counts them), taken from now: the boot time /proc/stat gives is
+        # whole seconds and drifts from the wall clock over a long uptime.
+        with open("/proc/uptime", encoding="ascii") as uptime:
+            since_boot = float(uptime.read().split()[0])
+        now = time.time()
+        return now - max(0.0, since_boot - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return None
 
 
