@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from logging import INFO, WARNING
 
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 from flwr.supercore import log
 
 from clients import ClientJob, evaluate_client, train_client
@@ -68,6 +71,45 @@ from fedspc_app.training.client_data import ClientData, client_data
 from fedspc_app.training.precision import apply_determinism
 
 app = ClientApp()
+
+# Under differential privacy a training or evaluation message that fails is answered
+# with this text alone, and nothing is logged: an exception raised out of the ClientApp
+# is logged by Flower with its text (in a simulation, in the log every client shares),
+# and the text (a DivergenceError names its client and round) or that a client failed
+# in some round tells who a round drew. The server withholds even this text.
+PRIVATE_FAILURE = "a client's {} failed (the reason is withheld under differential privacy)"
+
+
+def private_run(context: Context) -> bool:
+    """Whether the run has differential privacy (``dp-clipping-norm`` > 0), read from
+    the raw run-config: a run-config that does not parse is a failure to withhold too."""
+    try:
+        return float(context.run_config.get("dp-clipping-norm", 0.0) or 0.0) > 0
+    except (TypeError, ValueError):
+        return False
+
+
+def withheld_failures(kind: str) -> Callable:
+    """Under differential privacy, a handler that raises replies with a Flower error
+    whose reason is :data:`PRIVATE_FAILURE` instead, logs nothing, and leaves
+    ``context.state`` as it found it (as Flower does when a ClientApp raises); without
+    privacy the exception is raised, its text kept for Flower's log and the server."""
+    def wrap(handler: Callable[[Message, Context], Message]) -> Callable:
+        @functools.wraps(handler)
+        def handle(message: Message, context: Context) -> Message:
+            if not private_run(context):
+                return handler(message, context)
+            state = dict(context.state.items())  # records are replaced, never changed
+            try:
+                return handler(message, context)
+            except Exception:  # (its text is what must not get out)
+                for key in list(context.state.keys()):
+                    del context.state[key]
+                context.state.update(state)
+                return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                                     reason=PRIVATE_FAILURE.format(kind)), reply_to=message)
+        return handle
+    return wrap
 
 # What a SuperNode's --node-config may hold (simulation sets the first two).
 NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "data-dir", "state-dir")
@@ -219,7 +261,9 @@ class ClientSetup:
                 "this client starts again from the common initial personalized parameters "
                 "and u_k = 0. Start it with --node-config \"... state-dir='/var/lib/fedspc'\" "
                 "to keep it on disk.", where)
-        if self.store is not None and self.store.claim():
+        claimed = self.store is not None and self.store.claim()
+        if claimed and (self.deployment or not self.config.dp):  # (not in a private
+            # simulation's shared log, where it would say when a client first trained)
             log(INFO, "Removed the saved client state of an earlier run named like this one "
                 "(%s) in %s", where, self.store.directory)
         state = ledger.settle(decisions, self.partition_id)
@@ -266,6 +310,7 @@ def first_message_times(handler_started_at: float) -> dict[str, float]:
 
 
 @app.train()
+@withheld_failures("training")
 def train(message: Message, context: Context) -> Message:
     """One round of local training; its new state stays pending until the server
     says whether it aggregated the reply (see :class:`clients.state.ClientLedger`)."""
@@ -302,6 +347,7 @@ def train(message: Message, context: Context) -> Message:
 
 
 @app.evaluate()
+@withheld_failures("evaluation")
 def evaluate(message: Message, context: Context) -> Message:
     """Personalized accuracy on this client's own test split; a held-out client's
     after fine-tuning from a new client's start (:mod:`clients.held_out`)."""

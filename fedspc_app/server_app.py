@@ -295,6 +295,10 @@ def train(grid: Grid, checked: CheckedRun) -> None:
     except (FedSPCError, ValueError) as error:
         log(ERROR, "Run not started: %s", error)
         raise SystemExit(f"fedspc: {error}") from None
+    if config.dp and config.min_train_replies != RunConfig.min_train_replies:
+        log(WARNING, "min-train-replies = %g is not applied under differential privacy: a "
+            "round releases the noised sum over q·K however many usable replies came",
+            config.min_train_replies)
     precision = run_precision(config, deployment)
     made_by, code_warning = provenance(
         read_json_file(config.run_dir / CONFIG_JSON) if resumed else None,
@@ -389,8 +393,9 @@ def train(grid: Grid, checked: CheckedRun) -> None:
             train_config=ConfigRecord(round_config),
             evaluate_config=ConfigRecord(round_config),
             max_failed_rounds=config.max_failed_rounds,
-            evaluate_every=config.evaluate_every,
+            evaluate_every=evaluated_every(config, num_rounds),
             evaluate_fraction=config.evaluate_fraction,
+            phase_seconds=config.dp_phase_seconds if config.dp else 0.0,
             failed_streak=resumed.failed_streak if resumed else 0,
             on_trained=records.on_trained,
             on_round_end=on_round_end,
@@ -448,6 +453,29 @@ def privacy_budget(config: RunConfig, recorder: RunRecorder) -> int:
     return allowed
 
 
+def evaluated_every(config: RunConfig, num_rounds: int) -> int:
+    """Every how many rounds the clients are evaluated: ``evaluate-every``, or under
+    differential privacy with ``dp-evaluate = "final"`` only the last round."""
+    return num_rounds if config.dp and config.dp_evaluate == "final" else config.evaluate_every
+
+
+def not_covered(config: RunConfig) -> list[str]:
+    """config.json's ``privacy`` ``not-covered``: what is published outside ε."""
+    evaluated = ("after the last round only (dp-evaluate = final), still depending on how "
+                 "often each client was drawn" if config.dp_evaluate == "final" else
+                 "after every evaluated round (dp-evaluate = every-round)")
+    padded = (f"padded to dp-phase-seconds = {config.dp_phase_seconds:g} but for a phase "
+              "that outlasts it" if config.dp_phase_seconds > 0 else
+              "not padded (dp-phase-seconds = 0)")
+    evaluation = (f"evaluation metrics (accuracy, loss, held-out metrics), {evaluated}: "
+                  "unnoised, on the clients' own test data, with personal parts trained in "
+                  "the rounds each client was drawn")
+    timing = ("timing: a training phase lasts longer the more clients it draws, seen in "
+              f"message, file and log times and W&B's _runtime; {padded}")
+    return [evaluation, timing,
+            "the checkpoint and client-state/ (the server's and the clients' own)"]
+
+
 def privacy_entry(config: RunConfig, strategy: PersonalizedFedAvg, num_rounds: int,
                   split: ParameterSplit) -> dict[str, Any]:
     """config.json's ``privacy``: what ε means and what the server did (the secret
@@ -473,7 +501,8 @@ def privacy_entry(config: RunConfig, strategy: PersonalizedFedAvg, num_rounds: i
         "noise-multiplier": config.dp_noise_multiplier, "delta": config.dp_delta,
         "local-steps": config.local_steps, "shared-steps": strategy.privacy.steps,
         "rounds": num_rounds, "shared-keys-released": list(split.corrected),
-        **adaptive_entry(config, strategy)}
+        "phase-seconds": config.dp_phase_seconds, "evaluate": config.dp_evaluate,
+        "not-covered": not_covered(config), **adaptive_entry(config, strategy)}
 
 
 def adaptive_entry(config: RunConfig, strategy: PersonalizedFedAvg) -> dict[str, Any]:

@@ -8,8 +8,9 @@ bound to (a node replies for its own partition only); a reply that fails is
 dropped with a one-line reason. The usable ones are averaged with
 the paper's unweighted mean (or sample-weighted, as an option). A round in which
 fewer than ``min_train_replies`` of the sampled clients sent a usable reply fails:
-the shared block stays as it was. Every message tells the clients which of their
-replies went into an aggregate (``accepted-rounds``), so they commit or discard
+the shared block stays as it was (not under differential privacy: see
+:meth:`PersonalizedFedAvg.accept_replies`). Every message tells the clients which of
+their replies went into an aggregate (``accepted-rounds``), so they commit or discard
 the state they staged (:mod:`clients.state`). Evaluation replies are validated
 the same way and aggregated into the paper's personalized accuracy: the mean over
 clients of each client's accuracy on its own test split.
@@ -119,7 +120,7 @@ class PersonalizedFedAvg(FedAvg):
     min_train_replies : float (default: 0.0)
         Fraction of the sampled clients whose usable replies a round needs; a
         round with fewer fails and leaves the shared block unchanged (at least
-        one usable reply is always needed).
+        one usable reply is always needed). Not applied under ``privacy``.
     drift_keys : Sequence[str] | None (default: the floating-point shared keys)
         Keys the drift diagnostics of each round cover (see :mod:`strategies.drift`);
         the ServerApp passes the shared trainable parameters.
@@ -416,7 +417,7 @@ class PersonalizedFedAvg(FedAvg):
 
     def accept_replies(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
         """The usable replies in partition order, or none when there are too few (the round
-        fails).
+        fails; never under differential privacy, where their number decides nothing).
 
         Why each other reply was dropped is logged and kept in :attr:`report`.
         """
@@ -452,19 +453,20 @@ class PersonalizedFedAvg(FedAvg):
         report.accepted = len(accepted)
         needed = max(1, math.ceil(self.min_train_replies * sampled - 1e-9))
         self.report = report
-        if report.private and report.reasons and len(accepted) >= needed:
-            log(WARNING, "round %d: %s", server_round, PRIVATE_DROPPED)
-        if len(accepted) < needed:
+        if report.private:
+            # Under differential privacy the release is the noised sum over q·K whoever
+            # replied (an empty draw's too): how many usable replies came decides nothing
+            # (min-train-replies is not applied). Had too few failed the round, drawn
+            # colluders spoiling their own replies would read from it whether another
+            # client was drawn.
+            if report.reasons:
+                log(WARNING, "round %d: %s", server_round, PRIVATE_DROPPED)
+        elif len(accepted) < needed:
             report.failed = True
             report.accepted = 0
-            if report.private:
-                log(WARNING, "round %d failed: too few usable replies (the counts are "
-                    "withheld under differential privacy); the shared block stays as it "
-                    "was", server_round)
-            else:
-                log(WARNING, "round %d failed: %d of %d sampled clients sent a usable "
-                    "reply, %d needed; the shared block stays as it was", server_round,
-                    len(accepted), sampled, needed)
+            log(WARNING, "round %d failed: %d of %d sampled clients sent a usable reply, %d "
+                "needed; the shared block stays as it was", server_round, len(accepted),
+                sampled, needed)
             return []
         # Sums of floats depend on their order, and replies arrive in any order: in
         # partition order, the same seed gives bit-identical aggregates.
@@ -474,20 +476,17 @@ class PersonalizedFedAvg(FedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Average the shared block over the accepted replies (None: the round failed)."""
-        replies = list(replies)
-        if self.privacy is not None and self.sampled == 0 and not replies:
-            # The Poisson draw was empty: release the noise alone, as the account
-            # assumes (a round that released nothing would tell that nobody was drawn).
-            self.report = RoundReport(server_round, 0, private=True)
-            return self.released(server_round, [])
         accepted = self.accept_replies(server_round, replies)
+        if self.privacy is not None:
+            # Whoever was drawn and replied, the noised sum over q·K: an empty draw, or a
+            # draw whose every reply was unusable, releases the noise alone, as the
+            # account assumes (a round that released nothing would tell who was drawn).
+            return self.released(server_round, accepted)
         if not accepted:
             return None, None
         shortfall = self.rule.shortfall(len(accepted))
         if shortfall is not None:  # too few replies for the rule to bound f faulty ones
             return self.fail(server_round, shortfall)
-        if self.privacy is not None:
-            return self.released(server_round, accepted)
         return self.aggregate_accepted(server_round, accepted)
 
     def fail(self, server_round: int, reason: str) -> tuple[None, None]:

@@ -9,14 +9,17 @@ strategy hooks it calls are Flower's: configure/aggregate train and evaluate.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
-from logging import INFO
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from logging import INFO, WARNING
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.supercore import log
+from flwr.supercore.logger import FLOWER_LOGGER
 
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.records import reply_metrics
@@ -33,6 +36,69 @@ RoundEnd = Callable[[int, MetricRecord | None, MetricRecord | None, RoundReport 
 PHASE_SECONDS = "phase-seconds"
 class TooManyFailedRounds(FedSPCError):
     """``max-failed-rounds`` rounds in a row failed."""
+
+
+class PhasePadding:
+    """Under differential privacy, ``dp-phase-seconds`` = T: a training phase, from just
+    before its messages are made to the end of its aggregation, lasts T seconds whoever
+    was drawn, so that nothing observable after it (the messages' ``created_at``, the
+    files' times, W&B's ``_runtime``, the log's times) tells how many clients a round
+    drew, which a phase's duration grows with. A phase that outlasts T is not padded
+    (one warning the first time, and a count at the end of the run)."""
+
+    clock = staticmethod(time.perf_counter)
+    sleep = staticmethod(time.sleep)
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.overruns = 0  # rounds whose training phase outlasted T
+
+    def wait(self, started: float) -> float:
+        """Sleep until ``started`` (the :attr:`clock`'s time before the phase's messages
+        were made) + T; return the seconds slept, 0 when the phase took longer."""
+        left = started + self.seconds - self.clock()
+        if left > 0:
+            self.sleep(left)
+            return left
+        self.overruns += 1
+        if self.overruns == 1:
+            log(WARNING, "A training phase outlasted dp-phase-seconds = %g: its time, and "
+                "what follows it, can tell how many clients the round drew; set "
+                "dp-phase-seconds above the slowest phase you expect", self.seconds)
+        return 0.0
+
+
+class HeldRecords(logging.Filter):
+    """Keeps the records of the logger it filters instead of passing them on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+
+@contextlib.contextmanager
+def held_logs(active: bool = True) -> Iterator[None]:
+    """Flower's log records made inside (any thread's) go out when it ends, stamped with
+    that time: a padded phase's records (a dropped reply's warning at its aggregation)
+    would otherwise tell when in the phase they happened."""
+    if not active:
+        yield
+        return
+    held = HeldRecords()
+    FLOWER_LOGGER.addFilter(held)
+    try:
+        yield
+    finally:
+        FLOWER_LOGGER.removeFilter(held)
+        now = time.time()
+        for record in held.records:
+            record.relativeCreated += (now - record.created) * 1000
+            record.created, record.msecs = now, (now - int(now)) * 1000
+            FLOWER_LOGGER.handle(record)
 
 
 def expected_seconds(reply: Message) -> float | None:
@@ -131,6 +197,7 @@ def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
                max_failed_rounds: int = 3, failed_streak: int = 0,
                resumed_train_metrics: MetricRecord | None = None,
                evaluate_every: int = 1, evaluate_fraction: float = 1.0,
+               phase_seconds: float = 0.0,
                on_trained: Trained | None = None,
                on_round_end: RoundEnd | None = None) -> ArrayRecord:
     """Run rounds ``first_round..num_rounds``; return the final shared block.
@@ -140,8 +207,11 @@ def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
     failed round (too few usable replies) keeps the shared block, skips evaluation
     and counts towards ``max_failed_rounds`` in a row. Clients are evaluated every
     ``evaluate_every`` rounds, a sampled ``evaluate_fraction`` of them, except in the
-    last round, which evaluates every client.
+    last round, which evaluates every client. ``phase_seconds`` > 0 (differential
+    privacy's ``dp-phase-seconds``) pads every training phase, its aggregation included,
+    to that many seconds (:class:`PhasePadding`), holding the log's records until then.
     """
+    padding = PhasePadding(phase_seconds) if phase_seconds > 0 else None
     train_config = train_config if train_config is not None else ConfigRecord()
     durations: dict[str, dict[int, float]] = {"train": {}, "evaluate": {}}
     evaluate_config = evaluate_config if evaluate_config is not None else ConfigRecord()
@@ -150,14 +220,18 @@ def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
         train_metrics = resumed_train_metrics
         if not (evaluate_first and server_round == first_round):
             started, sent_at = time.perf_counter(), time.time()
-            replies = exchange(
-                grid, strategy.configure_train(server_round, arrays, train_config, grid),
-                timeout=timeout, expected=train_order(strategy, durations["train"]))
-            record_durations(durations["train"], replies)
-            aggregated, train_metrics = strategy.aggregate_train(server_round, replies)
-            if train_metrics is not None:
-                train_metrics[PHASE_SECONDS] = time.perf_counter() - started
-                train_metrics.update(worker_startup(replies, sent_at))
+            padded_from = padding.clock() if padding is not None else 0.0
+            with held_logs(padding is not None):
+                replies = exchange(
+                    grid, strategy.configure_train(server_round, arrays, train_config, grid),
+                    timeout=timeout, expected=train_order(strategy, durations["train"]))
+                record_durations(durations["train"], replies)
+                aggregated, train_metrics = strategy.aggregate_train(server_round, replies)
+                if train_metrics is not None:
+                    train_metrics[PHASE_SECONDS] = time.perf_counter() - started
+                    train_metrics.update(worker_startup(replies, sent_at))
+                if padding is not None:  # before anything is written or sent
+                    padding.wait(padded_from)
             report = strategy.report
             if aggregated is not None:
                 arrays = aggregated
@@ -190,4 +264,7 @@ def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
         if on_round_end is not None:
             on_round_end(server_round, train_metrics, evaluate_metrics, strategy.report)
         evaluate_first = False
+    if padding is not None and padding.overruns:
+        log(WARNING, "%d of the training phases outlasted dp-phase-seconds = %g",
+            padding.overruns, phase_seconds)
     return arrays

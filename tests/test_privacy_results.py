@@ -28,6 +28,7 @@ from fedspc_app.runs.results import (
     RunRecorder,
 )
 from fedspc_app.runs.tensorboard import FOLDER
+from strategies import PersonalizedFedAvg
 from strategies.personalized import PRIVATE_DROPPED
 
 W = "w"
@@ -133,11 +134,17 @@ def test_an_empty_draw_round_has_the_keys_of_any_other_round(tmp_path, monkeypat
 def dropped_round(bad: int, good: int, monkeypatch) -> tuple[list[str], list[str]]:
     """The reasons and the warnings of a private round with ``bad`` unusable replies
     and ``good`` usable ones among 4 drawn clients."""
+    reasons, warnings, _ = train_round(bad, good, monkeypatch, private_server(1.0, 4, 0.0))
+    return reasons, warnings
+
+
+def train_round(bad: int, good: int, monkeypatch, server) -> tuple[list[str], list[str],
+                                                                   tuple]:
+    """:func:`dropped_round` on ``server``, with what its aggregation returned."""
     warnings: list[str] = []
     monkeypatch.setattr("strategies.personalized.log",
                         lambda level, text, *args: warnings.append(text % args)
                         if level == WARNING else None)
-    server = private_server(1.0, 4, 0.0)
     server.configure_train(1, record({W: f32(0.0, 0.0)}), ConfigRecord(),
                            FakeGrid([1, 2, 3, 4]))
     replies = [reply({W: f32(0.1, 0.1)}, node=n, **{"num-examples": 5})
@@ -146,19 +153,40 @@ def dropped_round(bad: int, good: int, monkeypatch) -> tuple[list[str], list[str
         failed = Message(Error(code=0, reason=f"client {node} diverged"),
                          reply_to=reply({W: f32(0.1, 0.1)}, node=node))
         replies.append(from_node(failed, node))
-    server.aggregate_train(1, replies)
-    return server.report.reasons, warnings
+    result = server.aggregate_train(1, replies)
+    return server.report.reasons, warnings, result
 
 
 @pytest.mark.usefixtures("task_identity")
 def test_the_number_of_dropped_replies_is_read_neither_from_metrics_nor_logs(monkeypatch):
     one = dropped_round(1, 3, monkeypatch)
     three = dropped_round(3, 1, monkeypatch)
-    assert one == three == ([PRIVATE_DROPPED], [f"round 1: {PRIVATE_DROPPED}"])
+    every = dropped_round(4, 0, monkeypatch)  # every drawn reply unusable: no failure
+    assert one == three == every == ([PRIVATE_DROPPED], [f"round 1: {PRIVATE_DROPPED}"])
     none = dropped_round(0, 4, monkeypatch)
     assert none == ([], [])
-    reasons, warnings = dropped_round(4, 0, monkeypatch)  # the round fails: one line
-    assert reasons == [PRIVATE_DROPPED] and len(warnings) == 1 and "failed" in warnings[0]
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_how_many_usable_replies_came_decides_nothing_under_privacy(monkeypatch):
+    """The failure oracle: had a private round failed with too few usable replies,
+    drawn colluders spoiling their own would read from its ``failed`` whether another
+    client was drawn. Under privacy min-train-replies is not applied: a round whose
+    every drawn reply is unusable releases the noise alone, like an empty draw, with
+    the metrics of any round."""
+    outcomes = {}
+    for bad, good in ((0, 4), (3, 1), (4, 0)):
+        server = private_server(1.0, 4, 0.5)
+        server.min_train_replies = 1.0  # (every reply: what it would have taken)
+        _, _, (arrays, metrics) = train_round(bad, good, monkeypatch, server)
+        outcomes[bad] = (arrays is not None, server.report.failed, sorted(metrics))
+    assert outcomes[4] == outcomes[3] == outcomes[0]
+    assert outcomes[4][:2] == (True, False)
+    # Without privacy the threshold still fails the round.
+    plain = PersonalizedFedAvg(shared_keys=[W], num_partitions=4, drift_keys=[W],
+                               min_train_replies=0.5)
+    _, _, result = train_round(3, 1, monkeypatch, plain)
+    assert plain.report.failed and result == (None, None)
 
 
 def test_a_personal_model_method_is_refused_under_privacy():

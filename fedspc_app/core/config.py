@@ -44,6 +44,7 @@ SERVER_OPTIMIZERS = ("mean", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
 ATTACKS = ("none", "scale", "sign-flip", "noise", "small-steps", "bias")
 DP_CLIPPING = ("client", "server")
 DP_ACCOUNTANTS = ("rdp", "pld")  # dp_accounting's, under add/remove of one client
+DP_EVALUATE = ("every-round", "final")  # which rounds evaluate the clients under privacy
 COUNT_STDDEV_SHARE = 1 / 20  # adaptive clipping's σ_b unless set: q·K/20 (Andrew et al.)
 MAX_CLIPPING_LR = 1.0  # η_C: a round moves the clipping norm by at most a factor e
 MAX_REFERENCE_SMOOTHING = 0.99  # β of u_bar's smoothing (float32 u_bar; the lag)
@@ -236,6 +237,10 @@ class RunConfig:
     # C_t stays in [min·C_1, max·C_1]; 0 / inf: no bound
     dp_clipping_norm_min_factor: float = 0.1
     dp_clipping_norm_max_factor: float = 10.0
+    # What hides the draw besides the release: a training phase padded to this many
+    # seconds (0 = off), and which rounds evaluate the clients ("final": the last only)
+    dp_phase_seconds: float = 0.0
+    dp_evaluate: str = "every-round"
 
     # Fault injection for tests and experiments: lying clients (clients/attack.py)
     attack: str = "none"
@@ -451,10 +456,16 @@ def _check_privacy(config: RunConfig) -> None:
     _at_least("dp-target-epsilon", config.dp_target_epsilon, 0.0)
     if not 0.0 < config.dp_delta < 1.0:
         raise ConfigError(f"run-config 'dp-delta' must be in (0, 1), got {config.dp_delta!r}")
+    _at_least("dp-phase-seconds", config.dp_phase_seconds, 0.0)
+    _choice("dp-evaluate", config.dp_evaluate, DP_EVALUATE)
     if not config.dp:
         if config.dp_noise_multiplier or config.dp_target_epsilon:
             raise ConfigError("run-config 'dp-noise-multiplier' and 'dp-target-epsilon' need "
                               "'dp-clipping-norm' > 0 (differential privacy is off without it)")
+        if config.dp_phase_seconds > 0 or config.dp_evaluate != "every-round":
+            raise ConfigError("run-config 'dp-phase-seconds' > 0 and 'dp-evaluate' = "
+                              "'final' hide which clients a round drew, a secret only under "
+                              "differential privacy: they need 'dp-clipping-norm' > 0")
         return
     refusals = []
     if config.local_steps == 0:

@@ -48,7 +48,7 @@ MAY_CHANGE = frozenset({
     "num-rounds", "resume", "checkpoint", "output-dir", "data-dir", "download", "device",
     "round-timeout", "min-train-replies", "max-failed-rounds", "keep-client-state",
     "client-state-dir", "overwrite", "tensorboard", "evaluate-server", "divergence-factor",
-    "wandb", "wandb-project", "wandb-entity", "wandb-mode", "stop-by",
+    "wandb", "wandb-project", "wandb-entity", "wandb-mode", "stop-by", "dp-phase-seconds",
 })
 
 # Run-config keys whose default changed, or that were added: what a checkpoint that
