@@ -195,6 +195,12 @@ def test_the_account_attributes_cpu_seconds_to_roles(tmp_path):
     threads = {(row["role"], row["thread"]): row["cpu-seconds"] for row in summary["threads"]}
     assert threads[(ca.WORKER, "ray::ClientAppA (main)")] == pytest.approx(0.85 * 3.5, abs=0.01)
     assert threads[(ca.SIMULATION, "python (main)")] == pytest.approx(0.15 * 5, abs=0.01)
+    steady = {(row["role"], row["thread"]): row["steady-cpu-seconds-per-round"]
+              for row in summary["threads"]}
+    assert steady[(ca.SIMULATION, "worker.io110")] == pytest.approx(0.05, abs=0.01)
+    [simulation] = [row for row in summary["processes"] if row["pid"] == 102]
+    assert [(t["tid"], t["cpu-seconds"]) for t in simulation["threads"]] == [(102, 0.75),
+                                                                           (110, 0.25)]
     json.dumps(summary)
     text = ca.format_account("the test", summary)
     assert ca.WORKER in text and "waiting for one 0.100" in text

@@ -196,7 +196,7 @@ class Process:
     cpus_allowed: str = ""
     env: dict[str, str] | None = None
     openmp: list[str] | None = None
-    threads: dict[int, list[Any]] = field(default_factory=dict)  # tid -> [comm, first, last]
+    threads: dict[int, list[Any]] = field(default_factory=dict)  # tid -> [comm, samples]
     new: bool = True  # started after the account's first sample: counts from zero
     comm: str = ""  # the name in its stat line: it changes when the process execs
 
@@ -259,23 +259,24 @@ class CpuAccount:
                 todo.extend(children.get(pid, ()))
         return members
 
-    def _threads(self, record: Process) -> None:
+    def _threads(self, record: Process, now: float) -> None:
         folder = self.proc / str(record.pid) / "task"
         try:
             tids = os.listdir(folder)
         except OSError:
             return
-        for tid in tids:
-            stat = parse_stat(_read(folder / tid / "stat") or "")
+        for name in tids:
+            stat = parse_stat(_read(folder / name / "stat") or "")
             if stat is None:
                 continue
-            comm = stat.comm + (" (main)" if int(tid) == record.pid else "")
-            entry = record.threads.get(int(tid))
-            if entry is None:  # a thread started since the last sample counts from zero
-                first = 0 if len(record.samples) > 1 else stat.ticks
-                record.threads[int(tid)] = [comm, first, stat.ticks]
-            else:
-                entry[0], entry[2] = comm, stat.ticks
+            tid = int(name)
+            entry = record.threads.get(tid)
+            if entry is None:
+                entry = record.threads[tid] = ["", []]
+                if len(record.samples) > 1:  # started since the sample before: from zero
+                    entry[1].append((record.samples[-2][0], 0))
+            entry[0] = stat.comm + (" (main)" if tid == record.pid else "")
+            entry[1].append((now, stat.ticks))
 
     def _details(self, record: Process, stat: Stat, now: float) -> None:
         folder = self.proc / str(record.pid)
@@ -291,7 +292,7 @@ class CpuAccount:
                            int(status.get("nonvoluntary_ctxt_switches", 0)))
         record.cpus_allowed = status.get("Cpus_allowed_list", record.cpus_allowed)
         if record.role in THREAD_ROLES:
-            self._threads(record)
+            self._threads(record, now)
         # A worker's environment and libraries, until it has loaded an OpenMP runtime
         # (with torch; by then a Ray worker has exec'd its final program).
         if record.role in WORKER_ROLES and not record.openmp and len(record.samples) % 4 == 2:
@@ -492,12 +493,27 @@ def summarize(account: CpuAccount, rows: Sequence[Mapping[str, Any]],
             "steady-outside-run-cpu-seconds": round(busy - run_steady, 2),
         },
         "workers": _workers(account, trains),
-        "threads": _thread_table(account),
-        "processes": sorted(({"pid": r.pid, "role": r.role, "command": r.command,
-                              "cpu-seconds": round(spent(r.samples, whole) / TICKS, 2)}
+        "threads": _thread_table(account, whole, rounds),
+        "processes": sorted((_process_row(r, whole, rounds)
                              for r in account.processes.values()),
                             key=lambda row: -row["cpu-seconds"]),
     }
+
+
+def _process_row(record: Process, whole: list[tuple[float, float]],
+                 rounds: list[tuple[float, float]], threads: int = 12) -> dict[str, Any]:
+    """One process: its CPU seconds, and its busiest threads by thread id (which
+    ``py-spy dump`` names for a Python process)."""
+    def seconds(samples: Sequence[tuple]) -> dict[str, float]:
+        return {"cpu-seconds": round(spent(samples, whole) / TICKS, 2),
+                "steady-cpu-seconds-per-round": round(
+                    spent(samples, rounds) / TICKS / max(1, len(rounds)), 3)}
+
+    rows = sorted(({"tid": tid, "name": comm, **seconds(samples)}
+                   for tid, (comm, samples) in record.threads.items()),
+                  key=lambda row: -row["cpu-seconds"])
+    return {"pid": record.pid, "role": record.role, "command": record.command,
+            **seconds(record.samples), "threads": rows[:threads]}
 
 
 def _workers(account: CpuAccount, trains: list[tuple[float, float]]) -> list[dict[str, Any]]:
@@ -509,8 +525,8 @@ def _workers(account: CpuAccount, trains: list[tuple[float, float]]) -> list[dic
             continue
         alive = _overlap(record.samples, trains)
         cpu = spent(record.samples, trains) / TICKS
-        compute = sorted(((entry[2] - entry[1]) / TICKS for entry in record.threads.values()),
-                         reverse=True)
+        compute = sorted(((samples[-1][1] - samples[0][1]) / TICKS
+                          for _, samples in record.threads.values()), reverse=True)
         busy_threads = sum(1 for seconds in compute if compute and seconds > 0.1 * compute[0])
         out.append({
             "pid": record.pid, "role": record.role, "command": record.command[:80],
@@ -529,16 +545,20 @@ def _workers(account: CpuAccount, trains: list[tuple[float, float]]) -> list[dic
     return out
 
 
-def _thread_table(account: CpuAccount) -> list[dict[str, Any]]:
-    """CPU seconds by role and thread name, over the run, the busiest first."""
+def _thread_table(account: CpuAccount, whole: list[tuple[float, float]],
+                  rounds: list[tuple[float, float]]) -> list[dict[str, Any]]:
+    """CPU seconds by role and thread name over the run and per steady round, the
+    busiest first (Python's threads carry their process's name)."""
     table: dict[tuple[str, str], list[float]] = {}
     for record in account.processes.values():
-        for comm, first, last in record.threads.values():
-            entry = table.setdefault((record.role, comm), [0, 0.0])
+        for comm, samples in record.threads.values():
+            entry = table.setdefault((record.role, comm), [0, 0.0, 0.0])
             entry[0] += 1
-            entry[1] += (last - first) / TICKS
-    rows = [{"role": role, "thread": comm, "threads": count, "cpu-seconds": round(cpu, 2)}
-            for (role, comm), (count, cpu) in table.items()]
+            entry[1] += spent(samples, whole) / TICKS
+            entry[2] += spent(samples, rounds) / TICKS
+    rows = [{"role": role, "thread": comm, "threads": count, "cpu-seconds": round(cpu, 2),
+             "steady-cpu-seconds-per-round": round(steady / max(1, len(rounds)), 3)}
+            for (role, comm), (count, cpu, steady) in table.items()]
     return sorted(rows, key=lambda row: -row["cpu-seconds"])
 
 
@@ -578,7 +598,7 @@ def format_account(title: str, summary: Mapping[str, Any], *, threads: int = 12)
                      f"{worker['threads']} ({worker['busy-threads']} busy); thread env: {env}; "
                      f"OpenMP {', '.join(worker['openmp']) or 'not loaded'}; CPUs "
                      f"{worker['cpus-allowed'] or '?'}")
-    lines.append("busiest threads: " + "; ".join(
-        f"{row['role']} / {row['thread']} x{row['threads']} {row['cpu-seconds']:.2f} s"
-        for row in summary["threads"][:threads]))
+    lines.append("busiest threads (CPU s over the run, per steady round): " + "; ".join(
+        f"{row['role']} / {row['thread']} x{row['threads']} {row['cpu-seconds']:.2f}, "
+        f"{row['steady-cpu-seconds-per-round']:.3f}" for row in summary["threads"][:threads]))
     return "\n".join(lines)
