@@ -144,7 +144,7 @@ def test_the_account_attributes_cpu_seconds_to_roles(tmp_path):
                          on_cpu=int(0.85e9 * (t - 0.5)), waiting=int(0.1e9 * (t - 0.5)))
         proc.machine(busy=seconds(2 * t), idle=seconds(0))
 
-    account = ca.CpuAccount(root=100, proc=tmp_path)
+    account = ca.CpuAccount(root=100, proc=tmp_path, scan_every=1, threads_every=1)
     for t in range(5):
         tree(t)
         account.sample(now=1000.0 + t)
@@ -223,6 +223,21 @@ def test_a_process_that_execs_takes_its_new_role(tmp_path):
     roles = {p.pid: p.role for p in account.processes.values()}
     assert roles == {100: ca.ROOT, 101: ca.WORKER, 102: ca.SIMULATION, 103: ca.RAYLET}
     assert account.sessions == {SESSION}
+
+
+def test_new_processes_are_looked_for_every_few_samples(tmp_path):
+    proc = FakeProc(tmp_path)
+    proc.process(100, ["/venv/bin/python", "bench.py"], 1, 0)
+    proc.machine(0, 0)
+    account = ca.CpuAccount(root=100, proc=tmp_path, scan_every=2)
+    account.sample(now=0.0)  # a full scan
+    proc.process(101, ["ray::IDLE"], 100, seconds(1))
+    account.sample(now=1.0)  # only the known processes: not found yet
+    assert [p.pid for p in account.processes.values()] == [100]
+    proc.process(101, ["ray::IDLE"], 100, seconds(2))
+    account.sample(now=2.0)  # found: counted from zero at the sample before
+    [worker] = [p for p in account.processes.values() if p.pid == 101]
+    assert worker.samples[0][:2] == (1.0, 0) and worker.samples[-1][:2] == (2.0, seconds(2))
 
 
 def test_round_ends_come_from_metrics_json(tmp_path):

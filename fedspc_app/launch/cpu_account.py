@@ -197,19 +197,29 @@ class Process:
     env: dict[str, str] | None = None
     openmp: list[str] | None = None
     threads: dict[int, list[Any]] = field(default_factory=dict)  # tid -> [comm, samples]
+    threads_read: float | None = None  # when its threads were last read
     new: bool = True  # started after the account's first sample: counts from zero
     comm: str = ""  # the name in its stat line: it changes when the process execs
 
 
 class CpuAccount:
     """Samples the processes of a run every ``interval`` s in a thread between
-    ``start`` and ``stop``; ``hooks`` are called with the time after each sample."""
+    ``start`` and ``stop``; ``hooks`` are called with the time after each sample.
+
+    The sampler shares the machine with what it measures, so it reads less than it
+    could: all of ``/proc`` (to find new processes) every ``scan_every`` samples, the
+    known processes in between, and threads every ``threads_every`` samples. A new
+    process found late counts from zero at the sample before it was found.
+    """
 
     def __init__(self, root: int | None = None, *, interval: float = 0.5,
                  proc: str | os.PathLike[str] = "/proc",
-                 hooks: Iterable[Callable[[float], None]] = ()) -> None:
+                 hooks: Iterable[Callable[[float], None]] = (), scan_every: int = 4,
+                 threads_every: int = 2) -> None:
         self.root = os.getpid() if root is None else root
         self.interval = interval
+        self.scan_every = max(1, scan_every)
+        self.threads_every = max(1, threads_every)
         self.proc = Path(proc)
         self.hooks = list(hooks)
         self.processes: dict[tuple[int, int], Process] = {}
@@ -218,6 +228,8 @@ class CpuAccount:
         self.sessions: set[str] = set()
         self.sampler_seconds = 0.0
         self._commands: dict[tuple[int, int], list[str]] = {}
+        self._alive: set[int] = {self.root}
+        self._full = True
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -229,10 +241,12 @@ class CpuAccount:
             self._commands[key] = [part for part in raw.split("\0") if part]
         return self._commands[key]
 
-    def _table(self) -> dict[int, Stat]:
+    def _table(self, full: bool) -> dict[int, Stat]:
+        """Every process's stat line, or (not ``full``) the root's and the run's
+        processes' of the last sample."""
         table = {}
         try:
-            entries = os.listdir(self.proc)
+            entries = os.listdir(self.proc) if full else [str(pid) for pid in self._alive]
         except OSError:
             return table
         for name in entries:
@@ -273,10 +287,14 @@ class CpuAccount:
             entry = record.threads.get(tid)
             if entry is None:
                 entry = record.threads[tid] = ["", []]
-                if len(record.samples) > 1:  # started since the sample before: from zero
-                    entry[1].append((record.samples[-2][0], 0))
+                # Started since its threads were last read (or with the process): from zero.
+                since = record.threads_read if record.threads_read is not None else (
+                    record.samples[0][0] if record.new else None)
+                if since is not None:
+                    entry[1].append((since, 0))
             entry[0] = stat.comm + (" (main)" if tid == record.pid else "")
             entry[1].append((now, stat.ticks))
+        record.threads_read = now
 
     def _details(self, record: Process, stat: Stat, now: float) -> None:
         folder = self.proc / str(record.pid)
@@ -291,7 +309,8 @@ class CpuAccount:
         record.switches = (int(status.get("voluntary_ctxt_switches", 0)),
                            int(status.get("nonvoluntary_ctxt_switches", 0)))
         record.cpus_allowed = status.get("Cpus_allowed_list", record.cpus_allowed)
-        if record.role in THREAD_ROLES:
+        if record.role in THREAD_ROLES and (
+                self._full or len(self.times) % self.threads_every == 0):
             self._threads(record, now)
         # A worker's environment and libraries, until it has loaded an OpenMP runtime
         # (with torch; by then a Ray worker has exec'd its final program).
@@ -327,10 +346,12 @@ class CpuAccount:
         record.comm = stat.comm
         self._details(record, stat, now)
 
-    def sample(self, now: float | None = None) -> None:
-        """Read every process of the run once (the sampling thread calls it)."""
+    def sample(self, now: float | None = None, *, full: bool = False) -> None:
+        """Read the run's processes once (the sampling thread calls it); ``full``:
+        look for new ones and read every thread, whatever the sample's number."""
         now = time.time() if now is None else now
-        table = self._table()
+        self._full = full or len(self.times) % self.scan_every == 0
+        table = self._table(self._full)
         previous = self.times[-1] if self.times else None
         done: set[int] = set()
         while True:  # again when a new process names a Ray session: its orphans join
@@ -340,6 +361,7 @@ class CpuAccount:
                 self._sample_process(pid, table[pid], now, previous)
             if len(self.sessions) == sessions:
                 break
+        self._alive = done | {self.root}
         self.machine.append((now, *parse_machine(_read(self.proc / "stat") or "")))
         self.times.append(now)
         for hook in self.hooks:
@@ -349,10 +371,10 @@ class CpuAccount:
     def _loop(self) -> None:
         started = time.thread_time()
         try:
-            self.sample()
+            self.sample(full=True)
             while not self._stop.wait(self.interval):
                 self.sample()
-            self.sample()
+            self.sample(full=True)
         finally:
             self.sampler_seconds = time.thread_time() - started
 
@@ -513,7 +535,8 @@ def _process_row(record: Process, whole: list[tuple[float, float]],
                    for tid, (comm, samples) in record.threads.items()),
                   key=lambda row: -row["cpu-seconds"])
     return {"pid": record.pid, "role": record.role, "command": record.command,
-            **seconds(record.samples), "threads": rows[:threads]}
+            **seconds(record.samples),
+            "max-rss-mb": round(record.max_rss_pages * PAGE / 2**20, 1), "threads": rows[:threads]}
 
 
 def _workers(account: CpuAccount, trains: list[tuple[float, float]]) -> list[dict[str, Any]]:
