@@ -188,6 +188,7 @@ def test_the_account_attributes_cpu_seconds_to_roles(tmp_path):
     assert worker["cores"] == pytest.approx(0.9)
     assert worker["main-thread-on-cpu"] == pytest.approx(0.85)
     assert worker["main-thread-waiting-for-cpu"] == pytest.approx(0.1)
+    assert worker["main-thread-asleep"] == pytest.approx(0.05)
     assert worker["env"] == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     assert worker["openmp"] == ["libgomp.so.1"] and worker["cpus-allowed"] == "0-1"
     assert worker["threads"] == 2 and worker["busy-threads"] == 1

@@ -551,14 +551,17 @@ def _workers(account: CpuAccount, trains: list[tuple[float, float]]) -> list[dic
         compute = sorted(((samples[-1][1] - samples[0][1]) / TICKS
                           for _, samples in record.threads.values()), reverse=True)
         busy_threads = sum(1 for seconds in compute if compute and seconds > 0.1 * compute[0])
+        on_cpu, waiting = ((spent(record.samples, trains, index) / 1e9 / alive if alive else 0.0)
+                           for index in (2, 3))
         out.append({
             "pid": record.pid, "role": record.role, "command": record.command[:80],
             "train-cpu-seconds": round(cpu, 2), "train-wall-seconds": round(alive, 2),
             "cores": round(cpu / alive, 3) if alive else 0.0,
-            "main-thread-on-cpu": round(spent(record.samples, trains, 2) / 1e9 / alive, 3)
-            if alive else 0.0,
-            "main-thread-waiting-for-cpu": round(spent(record.samples, trains, 3) / 1e9 / alive,
-                                                 3) if alive else 0.0,
+            # The main thread's share of the wall time on a CPU, runnable but waiting for
+            # one, and neither (asleep: waiting for a message, or for the server).
+            "main-thread-on-cpu": round(on_cpu, 3),
+            "main-thread-waiting-for-cpu": round(waiting, 3),
+            "main-thread-asleep": round(max(0.0, 1.0 - on_cpu - waiting), 3) if alive else 0.0,
             "threads": record.max_threads, "busy-threads": busy_threads,
             "env": record.env or {}, "openmp": record.openmp or [],
             "cpus-allowed": record.cpus_allowed,
@@ -617,7 +620,8 @@ def format_account(title: str, summary: Mapping[str, Any], *, threads: int = 12)
         lines.append(f"  {worker['role']} {worker['pid']}: training {worker['train-cpu-seconds']:.2f}"
                      f" CPU s in {worker['train-wall-seconds']:.2f} s = {worker['cores']:.3f} "
                      f"cores; main thread on a CPU {worker['main-thread-on-cpu']:.3f}, waiting "
-                     f"for one {worker['main-thread-waiting-for-cpu']:.3f}; threads "
+                     f"for one {worker['main-thread-waiting-for-cpu']:.3f}, asleep "
+                     f"{worker['main-thread-asleep']:.3f}; threads "
                      f"{worker['threads']} ({worker['busy-threads']} busy); thread env: {env}; "
                      f"OpenMP {', '.join(worker['openmp']) or 'not loaded'}; CPUs "
                      f"{worker['cpus-allowed'] or '?'}")
