@@ -27,6 +27,21 @@ the run-config's precision and memory layout.
 spawned processes of one thread each (what the simulation does with one CPU per
 client, without Flower or Ray). Its row separates the cost of running clients in
 parallel processes on the machine from the cost of the engine.
+
+``--cpu-account`` samples every process of the simulation (and of the plain loop in
+``--plain-workers`` processes) from ``/proc`` while it runs
+(:mod:`fedspc_app.launch.cpu_account`): CPU seconds by role (Ray's GCS, raylet,
+dashboard, agents and log monitor, its ClientApp workers, the SuperLink, the
+simulation process holding the ServerApp, the SuperExec, ``flwr run``), per round
+and in the training phases; for the client workers their cores in use against the
+wall time, their main thread's wait for a CPU, their threads and the thread
+settings they started with. It uses CPU time, not wall time, so it holds on a
+loaded machine. ``--parallel-only`` skips the minimal and one-process loops and keeps
+the ``--plain-workers`` baseline, the one the account compares with::
+
+    python scripts/benchmark.py --run-config conf/cpu-cifar100-cnn.toml \\
+        --set "data-dir='/path/to/data'" --rounds 4 --clients 10 --client-cpus 1 \\
+        --compare --plain-workers 2 --parallel-only --cpu-account --json account.json
 """
 
 from __future__ import annotations
@@ -43,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.launch import cli
+from fedspc_app.launch.cpu_account import CpuAccount, MetricsWatch, format_account, summarize
 from fedspc_app.launch.runconfig import resolve_run_config
 
 COMPARED = ("accuracy", "loss", "train-loss", "train-images")
@@ -62,18 +78,33 @@ def print_rounds(rounds: list[dict]) -> None:
               f"{row['bytes-received'] / 1e6:>9.2f} {100 * (row.get('accuracy') or 0):>8.2f}%")
 
 
-def run_plain(run_config: dict, clients: int, threads: int, workers: int = 1) -> dict:
+def run_plain(run_config: dict, clients: int, threads: int, workers: int = 1,
+              account: float | None = None) -> dict:
     """The plain loop: in this process on ``threads`` torch threads, or its clients
-    in ``workers`` processes of one thread each."""
+    in ``workers`` processes of one thread each. With ``account`` (a sampling
+    interval) its processes' CPU account goes in as ``cpu-account``."""
     import torch
 
     from fedspc_app.serial import run_serial
 
     torch.set_num_threads(threads)
     _, config = resolve_run_config(run_config)
+    ends: dict[int, float] = {}
+
+    def echo(line: str) -> None:  # a round's row is done when it is printed
+        ends[len(ends) + 1] = time.time()
+        print(line)
+
+    sampler = CpuAccount(interval=account).start() if account else None
     started = time.perf_counter()
-    result = run_serial(config, clients, workers=workers)
+    try:
+        result = run_serial(config, clients, echo=echo, workers=workers)
+    finally:
+        if sampler is not None:
+            sampler.stop()
     result["total-seconds"] = time.perf_counter() - started
+    if sampler is not None:
+        result["cpu-account"] = summarize(sampler, result["rounds"], ends)
     return result
 
 
@@ -144,21 +175,21 @@ def parallel_workers(args: argparse.Namespace) -> int:
     return max(1, min(args.clients, int((os.cpu_count() or 1) // args.client_cpus)))
 
 
-def print_parallel(plain: dict, parallel: dict, flower: list[dict],
+def print_parallel(plain: dict | None, parallel: dict, flower: list[dict],
                    args: argparse.Namespace) -> None:
-    """The plain loop in one process, in ``--plain-workers`` processes, and the
-    simulation."""
+    """The plain loop in one process (unless ``--parallel-only``), in
+    ``--plain-workers`` processes, and the simulation."""
     workers = args.plain_workers
-    runs = (plain["rounds"], parallel["rounds"], flower)
+    runs = (plain["rounds"] if plain else [], parallel["rounds"], flower)
     steady = [mean(r["round-seconds"] for r in rows[1:] or rows) for rows in runs]
     same = all(all(p.get(k) == q.get(k) for k in COMPARED)
                for p, q in zip(parallel["rounds"], flower))
     print(f"\nplain loop in {workers} processes of one thread: {steady[1]:.2f} s/round "
           f"steady, round 1 {parallel['rounds'][0]['round-seconds'] - steady[1]:+.2f} s; "
           f"metrics {'identical to' if same else 'differ from'} the simulation's")
-    print(f"  running clients in {workers} processes instead of one process of "
-          f"{args.threads} threads: x{steady[1] / steady[0]:.3f}; the simulation over "
-          f"the processes: x{steady[2] / steady[1]:.3f}")
+    print((f"  running clients in {workers} processes instead of one process of "
+           f"{args.threads} threads: x{steady[1] / steady[0]:.3f}; " if plain else "  ")
+          + f"the simulation over the processes: x{steady[2] / steady[1]:.3f}")
     phase = mean(r["train-seconds"] for r in runs[1][1:] or runs[1])
     work = mean(r.get("train-client-work-seconds", 0.0) for r in flower[1:] or flower)
     work /= parallel_workers(args)
@@ -247,6 +278,25 @@ def print_comparison(plain: dict, flower: list[dict], flower_total: float,
                  if "train-worker-imported-seconds" in first else "") + ")")
 
 
+def print_accounts(accounts: dict[str, dict], args: argparse.Namespace) -> None:
+    """The CPU accounts of the simulation and of the plain loop in processes, and
+    their client workers' training CPU side by side."""
+    titles = {"flower": "the Flower simulation",
+              "plain-parallel": f"the plain loop in {args.plain_workers} processes"}
+    for name, account in accounts.items():
+        print(format_account(titles[name], account))
+    print("\nclient workers in the steady rounds' training phases:")
+    for name, account in accounts.items():
+        workers = [w for w in account["workers"] if w["train-cpu-seconds"] > 0]
+        cpu = sum(w["train-cpu-seconds"] for w in workers)
+        others = sum(r["train-cpu-seconds-per-round"] for r in account["roles"]
+                     if r["role"] not in {w["role"] for w in workers})
+        wall, rounds = account["train-wall-seconds"], max(1, account["steady-rounds"])
+        print(f"  {titles[name]}: {len(workers)} workers, {cpu / rounds:.2f} CPU s per round "
+              f"in {wall / rounds:.2f} s of training = {cpu / wall if wall else 0:.3f} cores; "
+              f"the run's other processes {others:.2f} CPU s per round in the same phases")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     cli.add_run_config_arguments(parser)
@@ -260,6 +310,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plain-workers", type=int, default=1,
                         help="with --compare, also run the plain loop with its clients in "
                              "this many one-thread processes (default 1: not run)")
+    parser.add_argument("--parallel-only", action="store_true",
+                        help="with --compare and --plain-workers, run only the plain loop "
+                             "in processes as the baseline (not the minimal loop nor the "
+                             "one-process plain loop)")
+    parser.add_argument("--cpu-account", action="store_true",
+                        help="sample the simulation's processes (and the plain loop's in "
+                             "--plain-workers processes) from /proc and print their CPU "
+                             "seconds by role")
+    parser.add_argument("--account-interval", type=float, default=0.5,
+                        help="seconds between the --cpu-account samples (default 0.5)")
     parser.add_argument("--json", help="write the runs' rows to this JSON file")
     args = parser.parse_args(argv)
     try:
@@ -267,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
             raise FedSPCError(f"plain-workers must be >= 1, got {args.plain_workers}")
         if args.plain_workers > 1 and not args.compare:
             raise FedSPCError("--plain-workers is a baseline of --compare: add --compare")
+        if args.parallel_only and args.plain_workers < 2:
+            raise FedSPCError("--parallel-only keeps the --plain-workers baseline only: "
+                              "add --compare --plain-workers N (N >= 2)")
+        if not args.account_interval > 0:
+            raise FedSPCError(f"account-interval must be > 0, got {args.account_interval}")
         run_config = cli.simulation_overrides(args, **{"num-rounds": args.rounds})
     except FedSPCError as error:
         return cli.fail(error, cli.BAD_INPUT)
@@ -274,20 +339,34 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(tempfile.mkdtemp(prefix="fedspc-bench-"))
     run_config.update({"output-dir": str(out), "run-name": "benchmark"})
     plain = parallel = minimal = None
-    if args.compare:
+    if args.compare and not args.parallel_only:
         if run_config.get("method", "fedavg") == "fedavg":
             minimal = run_minimal({**run_config, "run-name": "minimal"}, args.clients,
                                   args.threads)
         plain = run_plain({**run_config, "run-name": "plain"}, args.clients, args.threads)
-        if args.plain_workers > 1:
-            parallel = run_plain({**run_config, "run-name": "plain-parallel"}, args.clients,
-                                 args.threads, workers=args.plain_workers)
+    if args.compare and args.plain_workers > 1:
+        parallel = run_plain({**run_config, "run-name": "plain-parallel"}, args.clients,
+                             args.threads, workers=args.plain_workers,
+                             account=args.account_interval if args.cpu_account else None)
+    watch = MetricsWatch(out / "benchmark" / "metrics.json")
+    sampler = (CpuAccount(interval=args.account_interval, hooks=[watch]).start()
+               if args.cpu_account else None)
     started = time.perf_counter()
-    code = cli.simulate_once(run_config, args, log_file=Path(args.log) if args.log else None)
+    try:
+        code = cli.simulate_once(run_config, args,
+                                 log_file=Path(args.log) if args.log else None)
+    finally:
+        if sampler is not None:
+            sampler.stop()
     if code:
         return code
     total = time.perf_counter() - started
     rounds = json.loads((out / "benchmark" / "metrics.json").read_text())["rounds"]
+    accounts = {}
+    if sampler is not None:
+        accounts["flower"] = summarize(sampler, rounds, watch.ends)
+        if parallel is not None:
+            accounts["plain-parallel"] = parallel.pop("cpu-account")
 
     print_rounds(rounds)
     steady = rounds[1:] or rounds
@@ -302,11 +381,14 @@ def main(argv: list[str] | None = None) -> int:
         print_against_minimal(minimal, plain, rounds)
     if parallel is not None:
         print_parallel(plain, parallel, rounds, args)
+    if accounts:
+        print_accounts(accounts, args)
     if args.json:
         Path(args.json).write_text(json.dumps({"flower": rounds, "plain": plain,
                                                "minimal": minimal,
                                                "plain-parallel": parallel,
-                                               "flower-total-seconds": total}, indent=2))
+                                               "flower-total-seconds": total,
+                                               "cpu-account": accounts or None}, indent=2))
     return 0
 
 

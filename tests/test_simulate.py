@@ -450,6 +450,8 @@ def test_simulate_reports_bad_input_in_one_line(tmp_path, monkeypatch, capsys, n
     ("benchmark", ["--run-config", "bad.toml"], "cannot read run-config file"),
     ("benchmark", ["--compare", "--plain-workers", "0"], "plain-workers must be >= 1, got 0"),
     ("benchmark", ["--plain-workers", "2"], "a baseline of --compare"),
+    ("benchmark", ["--cpu-account", "--account-interval", "0"], "account-interval must be > 0"),
+    ("benchmark", ["--compare", "--parallel-only"], "--parallel-only keeps the --plain-workers"),
     ("loopback", ["--nodes", "0"], "clients must be >= 1, got 0"),
     ("loopback", ["--run-config", "bad.toml"], "cannot read run-config file"),
     ("loopback", ["--set", "alpha=-1"], "alpha"),
