@@ -85,6 +85,10 @@ def test_under_privacy_no_traffic_or_timing_is_written_anywhere(tmp_path):
     assert not set(header) & DP_WITHHELD and "accuracy" in header
     summary = json.loads((run_dir / SUMMARY_JSON).read_text())
     assert not set(summary) & DP_WITHHELD and "bytes-sent" not in summary
+    # the run's total time grows with its total number of draws
+    assert "wall-seconds" not in summary
+    assert "wall-seconds" not in json.loads((run_dir / METRICS_JSON).read_text())["summary"]
+    assert "] done: final accuracy" in lines[-1] and " in " not in lines[-1].split(":")[0]
     round_lines = [line for line in lines if " round " in line and "|" in line]
     assert len(round_lines) == 3
     assert not any("MB" in line or "ETA" in line or " s |" in line for line in round_lines)
@@ -104,7 +108,23 @@ def test_without_privacy_traffic_and_timings_are_still_written(tmp_path):
     assert all("round-seconds" in row and "train-seconds" in row for row in rows)
     summary = json.loads((recorder.run_dir / SUMMARY_JSON).read_text())
     assert summary["bytes-sent"] == 8000 and summary["bytes-received"] == 5600
+    assert summary["wall-seconds"] >= 0 and "] done in " in lines[-1]
     assert "sent 0.0 MB, received 0.0 MB" in lines[-2] and "ETA" in lines[-2]
+
+
+@pytest.mark.parametrize("dp", [True, False])
+def test_a_paused_run_says_its_time_only_without_privacy(tmp_path, dp):
+    settings = {"output-dir": str(tmp_path), "run-name": "paused", "num-rounds": 3,
+                "local-steps": 1, **({"dp-clipping-norm": 1.0, "dp-noise-multiplier": 1.0}
+                                     if dp else {})}
+    lines: list[str] = []
+    recorder = RunRecorder(parse_run_config(settings), traffic=Traffic(), echo=lines.append)
+    recorder.start()
+    recorder.on_round_end(1, train_metrics(0.1), evaluate_metrics())
+    summary = recorder.finish(paused=1)
+    assert ("wall-seconds" in summary) is not dp
+    assert "paused after round 1 of 3" in lines[-1]
+    assert ("run so far" in lines[-1]) is not dp
 
 
 # Round 2 of this secret draws nobody at q = 0.3 among 4 clients; rounds 1 and 3 draw
