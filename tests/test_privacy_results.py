@@ -20,6 +20,7 @@ from test_strategies import FakeGrid, f32, from_node, record, reply
 
 from fedspc_app import client_app
 from fedspc_app.core.config import parse_run_config
+from fedspc_app.core.dp_mechanism import clip_update
 from fedspc_app.runs.results import (
     DP_WITHHELD,
     METRICS_CSV,
@@ -29,6 +30,7 @@ from fedspc_app.runs.results import (
 )
 from fedspc_app.runs.tensorboard import FOLDER
 from strategies import PersonalizedFedAvg
+from strategies.dp_release import Privacy
 from strategies.personalized import PRIVATE_DROPPED
 
 W = "w"
@@ -207,6 +209,40 @@ def test_how_many_usable_replies_came_decides_nothing_under_privacy(monkeypatch)
                                min_train_replies=0.5)
     _, _, result = train_round(3, 1, monkeypatch, plain)
     assert plain.report.failed and result == (None, None)
+
+
+def clipping_round(server, updates) -> tuple[int, list[str]]:
+    """How many of ``updates`` (one a node, from a broadcast of zeros; the other of
+    the 4 drawn nodes reply with no change) ``server`` accepted in round 1, and the
+    round's reasons."""
+    updates = [*updates, *[f32(0.0, 0.0)] * (4 - len(updates))]
+    server.configure_train(1, record({W: f32(0.0, 0.0)}), ConfigRecord(),
+                           FakeGrid([1, 2, 3, 4]))
+    server.aggregate_train(1, [reply({W: u}, node=n, **{"num-examples": 5})
+                               for n, u in enumerate(updates, 1)])
+    return server.report.accepted, server.report.reasons
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_an_unclipped_reply_is_dropped_under_client_clipping():
+    """Under client clipping the server checks each reply's update against C_t: one
+    unclipped update (+1e8 an entry) would spoil the model, so that an honest client
+    then fails whenever drawn and the round's dropped warning tells its draws."""
+    def client_clipped(clip=1.0):
+        return PersonalizedFedAvg(shared_keys=[W], num_partitions=4, drift_keys=[W],
+                                  privacy=Privacy(clip, 0.0, steps=4))
+    honest = clip_update({W: f32(30.0, 40.0)}, {W: f32(0.0, 0.0)}, [W], 1.0)[W]
+    # at exactly C (0.6, 0.8 in float32: 1 + 2e-8), and clipped by the client's own code
+    assert clipping_round(client_clipped(), [f32(0.6, 0.8), honest]) == (4, [])
+    assert clipping_round(client_clipped(), [f32(0.6, 0.8), f32(1e8, 1e8)]) == (
+        3, [PRIVATE_DROPPED])
+    # 1.00016 C: beyond the 1e-4 tolerance
+    assert clipping_round(client_clipped(), [f32(0.6, 0.8002)]) == (3, [PRIVATE_DROPPED])
+    server = client_clipped()
+    server.release.clipping_norm = 0.5  # C_t, as adaptive clipping moved it
+    assert clipping_round(server, [f32(0.3, 0.4), f32(0.6, 0.8)]) == (3, [PRIVATE_DROPPED])
+    # Under server clipping the server clips it itself.
+    assert clipping_round(private_server(1.0, 4, 0.0), [f32(1e8, 1e8)]) == (4, [])
 
 
 def test_a_personal_model_method_is_refused_under_privacy():
