@@ -356,7 +356,13 @@ class PersonalizedFedAvg(FedAvg):
                 self.num_training,
                 f" ({drawn - len(nodes)} not connected)" if len(nodes) < drawn else "")
         config[SERVER_ROUND] = server_round
-        return self._addressed(arrays, config, nodes, kind), drawn
+        messages = self._addressed(arrays, config, nodes, kind)
+        if self.privacy is not None and kind == MessageType.TRAIN and messages:
+            # Built one after another, each message's created_at would say how many
+            # drawn messages were built between two colluders': all get the first's.
+            for message in messages[1:]:
+                message.metadata.created_at = messages[0].metadata.created_at
+        return messages, drawn
 
     def reply_schema(self) -> ReplySchema:
         """What a train reply of this round must hold (:mod:`fedspc_app.core.replies`):

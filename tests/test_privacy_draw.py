@@ -239,6 +239,12 @@ def test_dp_evaluate_final_evaluates_only_after_the_last_round(tmp_path):
     evaluated = Counter(m.content.config_records["config"]["server-round"] for m in grid.sent
                         if m.metadata.message_type == MessageType.EVALUATE)
     assert evaluated == {3: K}
+    created = {}  # every training message of a round made at one time
+    for m in grid.sent:
+        if m.metadata.message_type == MessageType.TRAIN:
+            server_round = m.content.config_records["config"]["server-round"]
+            created.setdefault(server_round, set()).add(m.metadata.created_at)
+    assert sorted(created) == [1, 2, 3] and all(len(t) == 1 for t in created.values())
     assert ["accuracy" in row for row in rows] == [False, False, True]
     privacy = json.loads((tmp_path / "final" / "config.json").read_text())["privacy"]
     assert privacy["evaluate"] == "final" and privacy["phase-seconds"] == 0.0

@@ -245,6 +245,17 @@ def test_an_unclipped_reply_is_dropped_under_client_clipping():
     assert clipping_round(private_server(1.0, 4, 0.0), [f32(1e8, 1e8)]) == (4, [])
 
 
+@pytest.mark.usefixtures("task_identity")
+def test_a_rounds_training_messages_share_one_created_at_under_privacy():
+    """Built one after another (~45 µs each), the messages' created_at would tell how
+    many drawn messages were built between two colluders'."""
+    server = private_server(1.0, 40, 0.0)
+    messages = server.configure_train(1, record({W: f32(0.0, 0.0)}), ConfigRecord(),
+                                      FakeGrid(list(range(1, 41))))
+    assert len(messages) == 40
+    assert len({m.metadata.created_at for m in messages}) == 1
+
+
 def test_a_personal_model_method_is_refused_under_privacy():
     # Ditto evaluates each client's personal model, which changes only when its client
     # is drawn: the published means, less the colluders' own, show another's draws.
