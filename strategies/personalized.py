@@ -73,6 +73,8 @@ from strategies.summaries import (
 )
 
 DP_SECRET = "dp-secret"  # the checkpoint's key of the privacy secret
+# How far, relatively, a client-clipped update's norm may exceed C_t (float rounding).
+CLIPPING_TOLERANCE = 1e-4
 # Under differential privacy a round's one reason, whatever was dropped or missing:
 # which replies, how many and why would tell who and how many were drawn.
 PRIVATE_DROPPED = ("replies of drawn clients were dropped or did not come (which, how "
@@ -354,7 +356,13 @@ class PersonalizedFedAvg(FedAvg):
                 self.num_training,
                 f" ({drawn - len(nodes)} not connected)" if len(nodes) < drawn else "")
         config[SERVER_ROUND] = server_round
-        return self._addressed(arrays, config, nodes, kind), drawn
+        messages = self._addressed(arrays, config, nodes, kind)
+        if self.privacy is not None and kind == MessageType.TRAIN and messages:
+            # Built one after another, each message's created_at would say how many
+            # drawn messages were built between two colluders': all get the first's.
+            for message in messages[1:]:
+                message.metadata.created_at = messages[0].metadata.created_at
+        return messages, drawn
 
     def reply_schema(self) -> ReplySchema:
         """What a train reply of this round must hold (:mod:`fedspc_app.core.replies`):
@@ -374,7 +382,8 @@ class PersonalizedFedAvg(FedAvg):
         partition its node is bound to, and the counts its partition implies."""
         if self.broadcast is None:
             return "no round is in progress (nothing was broadcast)"
-        reason = self.reply_schema().check(message) or self._check_partition(message)
+        reason = (self.reply_schema().check(message) or self._check_partition(message)
+                  or self._check_clipping(message))
         if reason is not None:
             return reason
         metrics = message.content.metric_records[METRICS]
@@ -382,6 +391,28 @@ class PersonalizedFedAvg(FedAvg):
             return f"partition {metrics[PARTITION_ID]} is a held-out client, which never trains"
         if self.expected_counts is not None:
             return self._check_counts(metrics)
+        return None
+
+    def _check_clipping(self, message: Message) -> str | None:
+        """Under differential privacy with clipping on the clients, why the
+        (schema-checked) reply's update of the released keys is longer than the round's
+        C_t (beyond :data:`CLIPPING_TOLERANCE`, float rounding): a client that did not
+        clip would move the sum by more than the noise is calibrated for (and could
+        spoil the model so that an honest client fails whenever drawn). An honest
+        client's update always passes, so the check depends on nothing private."""
+        privacy = self.privacy
+        if privacy is None or privacy.clip_on_server or self.release is None:
+            return None
+        bound = self.release.clipping_norm
+        keys = self.drift_keys if self.drift_keys is not None else tuple(
+            k for k in self.shared_keys if np.issubdtype(self.broadcast[k].dtype, np.floating))
+        if not keys or not math.isfinite(bound):
+            return None
+        norm = update_norm(from_record(message.content.array_records[ARRAYS]),
+                           self.broadcast, keys)
+        if norm > bound * (1.0 + CLIPPING_TOLERANCE):
+            return (f"its update's norm {norm:g} exceeds the clipping norm {bound:g} "
+                    "(dp-clipping = client): it was not clipped")
         return None
 
     def _check_counts(self, metrics: MetricRecord) -> str | None:

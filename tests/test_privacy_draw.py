@@ -178,7 +178,7 @@ def test_a_padded_round_writes_and_sends_nothing_before_t(tmp_path, monkeypatch)
 
     monkeypatch.setattr(PhasePadding, "sleep", staticmethod(sleep))
     monkeypatch.setattr(InProcessGrid, "__init__", record_grid(grid_of))
-    run(tmp_path, "padded", True, num_rounds=2, dp_phase_seconds=600.0)
+    run(tmp_path, "padded", True, num_rounds=2, dp_phase_seconds=600.0, round_timeout=300.0)
     assert len(seen) == 2
     for server_round, (seconds, written, sent) in enumerate(seen, 1):
         assert 500.0 < seconds <= 600.0
@@ -212,9 +212,23 @@ def test_the_draw_hiding_keys_are_checked(overrides, message):
         parse_run_config(overrides)
 
 
+@pytest.mark.parametrize("timeout", [3600.0, 30.0])
+def test_a_round_timeout_not_below_the_phase_is_refused(timeout):
+    """A drawn client that never replies holds its phase for round-timeout: at or
+    above dp-phase-seconds, exactly the rounds that drew it would outlast the padding."""
+    with pytest.raises(ConfigError) as refused:
+        parse_run_config({**PRIVATE, "local-steps": 2, "dp-phase-seconds": 30,
+                          "round-timeout": timeout})
+    text = str(refused.value)
+    assert f"'round-timeout' = {timeout:g}" in text and "'dp-phase-seconds' = 30" in text
+    assert "aggregation" in text and "below" in text
+    # without padding round-timeout is free
+    parse_run_config({**PRIVATE, "local-steps": 2, "round-timeout": timeout})
+
+
 def test_the_draw_hiding_keys_are_accepted_under_privacy():
     config = parse_run_config({**PRIVATE, "local-steps": 2, "dp-phase-seconds": 30,
-                               "dp-evaluate": "final"})
+                               "round-timeout": 20, "dp-evaluate": "final"})
     assert (config.dp_phase_seconds, config.dp_evaluate) == (30.0, "final")
 
 
@@ -225,6 +239,12 @@ def test_dp_evaluate_final_evaluates_only_after_the_last_round(tmp_path):
     evaluated = Counter(m.content.config_records["config"]["server-round"] for m in grid.sent
                         if m.metadata.message_type == MessageType.EVALUATE)
     assert evaluated == {3: K}
+    created = {}  # every training message of a round made at one time
+    for m in grid.sent:
+        if m.metadata.message_type == MessageType.TRAIN:
+            server_round = m.content.config_records["config"]["server-round"]
+            created.setdefault(server_round, set()).add(m.metadata.created_at)
+    assert sorted(created) == [1, 2, 3] and all(len(t) == 1 for t in created.values())
     assert ["accuracy" in row for row in rows] == [False, False, True]
     privacy = json.loads((tmp_path / "final" / "config.json").read_text())["privacy"]
     assert privacy["evaluate"] == "final" and privacy["phase-seconds"] == 0.0

@@ -20,6 +20,7 @@ from test_strategies import FakeGrid, f32, from_node, record, reply
 
 from fedspc_app import client_app
 from fedspc_app.core.config import parse_run_config
+from fedspc_app.core.dp_mechanism import clip_update
 from fedspc_app.runs.results import (
     DP_WITHHELD,
     METRICS_CSV,
@@ -29,6 +30,7 @@ from fedspc_app.runs.results import (
 )
 from fedspc_app.runs.tensorboard import FOLDER
 from strategies import PersonalizedFedAvg
+from strategies.dp_release import Privacy
 from strategies.personalized import PRIVATE_DROPPED
 
 W = "w"
@@ -85,6 +87,10 @@ def test_under_privacy_no_traffic_or_timing_is_written_anywhere(tmp_path):
     assert not set(header) & DP_WITHHELD and "accuracy" in header
     summary = json.loads((run_dir / SUMMARY_JSON).read_text())
     assert not set(summary) & DP_WITHHELD and "bytes-sent" not in summary
+    # the run's total time grows with its total number of draws
+    assert "wall-seconds" not in summary
+    assert "wall-seconds" not in json.loads((run_dir / METRICS_JSON).read_text())["summary"]
+    assert "] done: final accuracy" in lines[-1] and " in " not in lines[-1].split(":")[0]
     round_lines = [line for line in lines if " round " in line and "|" in line]
     assert len(round_lines) == 3
     assert not any("MB" in line or "ETA" in line or " s |" in line for line in round_lines)
@@ -104,7 +110,23 @@ def test_without_privacy_traffic_and_timings_are_still_written(tmp_path):
     assert all("round-seconds" in row and "train-seconds" in row for row in rows)
     summary = json.loads((recorder.run_dir / SUMMARY_JSON).read_text())
     assert summary["bytes-sent"] == 8000 and summary["bytes-received"] == 5600
+    assert summary["wall-seconds"] >= 0 and "] done in " in lines[-1]
     assert "sent 0.0 MB, received 0.0 MB" in lines[-2] and "ETA" in lines[-2]
+
+
+@pytest.mark.parametrize("dp", [True, False])
+def test_a_paused_run_says_its_time_only_without_privacy(tmp_path, dp):
+    settings = {"output-dir": str(tmp_path), "run-name": "paused", "num-rounds": 3,
+                "local-steps": 1, **({"dp-clipping-norm": 1.0, "dp-noise-multiplier": 1.0}
+                                     if dp else {})}
+    lines: list[str] = []
+    recorder = RunRecorder(parse_run_config(settings), traffic=Traffic(), echo=lines.append)
+    recorder.start()
+    recorder.on_round_end(1, train_metrics(0.1), evaluate_metrics())
+    summary = recorder.finish(paused=1)
+    assert ("wall-seconds" in summary) is not dp
+    assert "paused after round 1 of 3" in lines[-1]
+    assert ("run so far" in lines[-1]) is not dp
 
 
 # Round 2 of this secret draws nobody at q = 0.3 among 4 clients; rounds 1 and 3 draw
@@ -187,6 +209,51 @@ def test_how_many_usable_replies_came_decides_nothing_under_privacy(monkeypatch)
                                min_train_replies=0.5)
     _, _, result = train_round(3, 1, monkeypatch, plain)
     assert plain.report.failed and result == (None, None)
+
+
+def clipping_round(server, updates) -> tuple[int, list[str]]:
+    """How many of ``updates`` (one a node, from a broadcast of zeros; the other of
+    the 4 drawn nodes reply with no change) ``server`` accepted in round 1, and the
+    round's reasons."""
+    updates = [*updates, *[f32(0.0, 0.0)] * (4 - len(updates))]
+    server.configure_train(1, record({W: f32(0.0, 0.0)}), ConfigRecord(),
+                           FakeGrid([1, 2, 3, 4]))
+    server.aggregate_train(1, [reply({W: u}, node=n, **{"num-examples": 5})
+                               for n, u in enumerate(updates, 1)])
+    return server.report.accepted, server.report.reasons
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_an_unclipped_reply_is_dropped_under_client_clipping():
+    """Under client clipping the server checks each reply's update against C_t: one
+    unclipped update (+1e8 an entry) would spoil the model, so that an honest client
+    then fails whenever drawn and the round's dropped warning tells its draws."""
+    def client_clipped(clip=1.0):
+        return PersonalizedFedAvg(shared_keys=[W], num_partitions=4, drift_keys=[W],
+                                  privacy=Privacy(clip, 0.0, steps=4))
+    honest = clip_update({W: f32(30.0, 40.0)}, {W: f32(0.0, 0.0)}, [W], 1.0)[W]
+    # at exactly C (0.6, 0.8 in float32: 1 + 2e-8), and clipped by the client's own code
+    assert clipping_round(client_clipped(), [f32(0.6, 0.8), honest]) == (4, [])
+    assert clipping_round(client_clipped(), [f32(0.6, 0.8), f32(1e8, 1e8)]) == (
+        3, [PRIVATE_DROPPED])
+    # 1.00016 C: beyond the 1e-4 tolerance
+    assert clipping_round(client_clipped(), [f32(0.6, 0.8002)]) == (3, [PRIVATE_DROPPED])
+    server = client_clipped()
+    server.release.clipping_norm = 0.5  # C_t, as adaptive clipping moved it
+    assert clipping_round(server, [f32(0.3, 0.4), f32(0.6, 0.8)]) == (3, [PRIVATE_DROPPED])
+    # Under server clipping the server clips it itself.
+    assert clipping_round(private_server(1.0, 4, 0.0), [f32(1e8, 1e8)]) == (4, [])
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_rounds_training_messages_share_one_created_at_under_privacy():
+    """Built one after another (~45 µs each), the messages' created_at would tell how
+    many drawn messages were built between two colluders'."""
+    server = private_server(1.0, 40, 0.0)
+    messages = server.configure_train(1, record({W: f32(0.0, 0.0)}), ConfigRecord(),
+                                      FakeGrid(list(range(1, 41))))
+    assert len(messages) == 40
+    assert len({m.metadata.created_at for m in messages}) == 1
 
 
 def test_a_personal_model_method_is_refused_under_privacy():

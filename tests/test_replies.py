@@ -35,6 +35,7 @@ from hypothesis.extra import numpy as hnp
 from test_strategies import FakeGrid, arrays_of, f32, from_node, instruction, record
 
 from fedspc_app.core import replies
+from fedspc_app.core.dp_mechanism import clip_update
 from fedspc_app.core.replies import (
     MAX_ARRAY_VALUE,
     evaluate_schema,
@@ -469,9 +470,13 @@ COUNTS = st.tuples(st.integers(0, 10**6), st.integers(1, 10**5), st.integers(1, 
 
 
 @st.composite
-def honest_train_reply(draw, node: int, explicit: bool) -> Message:
+def honest_train_reply(draw, node: int, explicit: bool, clip: float | None = None) -> Message:
+    """An honest reply; with ``clip`` (client clipping under privacy) its update of
+    the floating-point shared keys clipped to that norm, as an honest client does."""
     counter, images, steps, loss = draw(COUNTS)
     arrays = {W: draw(VECTOR), B: draw(SCALAR), NBT: np.array(counter, dtype=np.int64)}
+    if clip is not None:
+        arrays = clip_update(arrays, SHARED, CORRECTED, clip)
     metrics = honest_metrics(node, **{"num-examples": images, "shared-steps": steps,
                                       "train-loss": loss})
     change = {W: draw(VECTOR), B: draw(SCALAR)} if explicit else None
@@ -585,8 +590,9 @@ def test_fuzzed_replies_never_break_the_server_many(case):
 @settings(FUZZ, max_examples=150)
 @given(st.sampled_from(CONFIGS).flatmap(lambda config: st.tuples(
     st.just(config), st.lists(st.integers(1, K), min_size=1, max_size=K, unique=True).flatmap(
-        lambda nodes: st.tuples(*[honest_train_reply(n, config[0] == "explicit")
-                                  for n in nodes])))))
+        lambda nodes: st.tuples(*[honest_train_reply(
+            n, config[0] == "explicit", 1.0 if config[2].startswith("dp") else None)
+            for n in nodes])))))
 def test_honest_replies_all_pass_and_aggregate_as_before(case):
     (kind, rule, extra), honest = case
     strategy = build(kind, rule, extra)

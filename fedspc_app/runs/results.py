@@ -442,9 +442,14 @@ class RunRecorder:
         summary: dict[str, Any] = {
             "complete": len(self.rounds) >= self.num_rounds,
             "rounds": len(self.rounds),
-            "wall-seconds": round(time.perf_counter() - self.started, 3),
             "method": self.config.label,
         }
+        # Under privacy the run's total time grows with its total number of draws
+        # (DP_WITHHELD); the checkpoint, the server's own, keeps it for resuming.
+        seconds = time.perf_counter() - self.started
+        took = "" if self.config.dp else format_duration(seconds)
+        if not self.config.dp:
+            summary["wall-seconds"] = round(seconds, 3)
         if can_extend is not None:
             summary["can-extend"] = can_extend
         if paused is not None:
@@ -482,12 +487,12 @@ class RunRecorder:
         if paused is not None:
             self.echo(
                 f"[{self.config.label}] paused after round {paused} of "
-                f"{self.config.num_rounds}{f' ({paused_by})' if paused_by else ''} ("
-                f"{format_duration(summary['wall-seconds'])} run "
-                f"so far); resume = true continues it; results in {self.run_dir}")
+                f"{self.config.num_rounds}{f' ({paused_by})' if paused_by else ''}"
+                + (f" ({took} run so far)" if took else "")
+                + f"; resume = true continues it; results in {self.run_dir}")
         elif evaluated:
             self.echo(
-                f"[{self.config.label}] done in {format_duration(summary['wall-seconds'])}: "
+                f"[{self.config.label}] done" + (f" in {took}" if took else "") + ": "
                 f"final accuracy {100 * summary['final-accuracy']:.2f}% (round "
                 f"{summary['final-round']}), best {100 * summary['best-accuracy']:.2f}% "
                 f"(round {summary['best-round']}); results in {self.run_dir}"
