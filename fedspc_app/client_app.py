@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from logging import INFO, WARNING
 
+import numpy as np
 from flwr.app import Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
@@ -35,6 +36,7 @@ from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.protocol import (
     ACCEPTED_ROUNDS,
     ARRAYS,
+    CLIENT_REFERENCE_RECORD,
     CLIPPING_NORM,
     CONFIG,
     CORRECT,
@@ -63,7 +65,7 @@ from fedspc_app.core.protocol import (
     WARM_UP_QUERY,
     WORK_SECONDS,
 )
-from fedspc_app.core.records import from_record, to_record
+from fedspc_app.core.records import ArrayDict, from_record, to_record
 from fedspc_app.data.run_data import load_partition
 from fedspc_app.models.run_model import initial_model
 from fedspc_app.models.split import ParameterSplit, parameter_split
@@ -297,6 +299,22 @@ class ClientSetup:
                          partition_id=self.partition_id)
 
 
+def server_kept_reference(message: Message,
+                          global_reference: ArrayDict) -> ArrayDict | None:
+    """The u_k the server keeps for this client (``fedspc-reference = "server-centre"``),
+    which it trains with in place of its own; ``None`` when the message has none. It
+    must have u_bar's keys, shapes and dtype, and be finite."""
+    if CLIENT_REFERENCE_RECORD not in message.content.array_records:
+        return None
+    kept = from_record(message.content.array_records[CLIENT_REFERENCE_RECORD])
+    if set(kept) != set(global_reference) or any(
+            np.shape(kept[key]) != np.shape(value) or np.asarray(kept[key]).dtype != np.float32
+            or not np.all(np.isfinite(kept[key])) for key, value in global_reference.items()):
+        raise ValueError("the server sent a client reference that does not match u_bar's "
+                         "keys, shapes and float32 dtype, or is not finite")
+    return kept
+
+
 def timings(started: float, working: float, finished: float) -> dict[str, float]:
     """Where a handler's time went: building its setup and reading its state
     (``setup-seconds``; data loading on a worker's first message), then training or
@@ -324,6 +342,9 @@ def train(message: Message, context: Context) -> Message:
     global_reference = None
     if GLOBAL_REFERENCE in message.content.array_records:
         global_reference = from_record(message.content.array_records[GLOBAL_REFERENCE])
+        kept = server_kept_reference(message, global_reference)
+        if kept is not None:  # fedspc-reference = "server-centre": the server's u_k
+            state = replace(state, local_reference=kept)
     job = setup.job(message, state)
     working = time.perf_counter()
     outcome = train_client(job, global_reference=global_reference)

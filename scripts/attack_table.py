@@ -47,6 +47,8 @@ from flwr.supercore.task_identity import TaskIdentity
 from clients.attack import attacked_reply
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.correction import reference_change, shared_update
+from fedspc_app.core.protocol import CLIENT_REFERENCE_RECORD
+from fedspc_app.core.records import from_record
 from strategies import AggregationRule, FedSPC, PersonalizedFedAvg
 
 ATTACKS = {"scale x50": ("scale", 50.0), "sign-flip": ("sign-flip", 50.0),
@@ -78,7 +80,7 @@ class Setting:
     attackers: int = 1
     seed: int = 0
     check_counts: bool = True  # the server checks each client's E_k (as the app does)
-    norm_bound: str = "none"  # run-config robust-norm-bound
+    norm_bound: str = "auto"  # run-config robust-norm-bound
 
 
 class Grid:
@@ -137,6 +139,9 @@ def _run(rule: str, fedspc: bool, attack: str, reference: str,
         replies = []
         for k in range(setting.clients):
             liar = k < setting.attackers and attack == NULL
+            records = sent_to[k + 1].content.array_records
+            if fedspc and CLIENT_REFERENCE_RECORD in records:  # the server keeps u_k
+                own[k] = from_record(records[CLIENT_REFERENCE_RECORD])[W]  # (client-centre)
             noise = np.random.default_rng([setting.seed, server_round, k, *([1] * liar)])
             local = theta.copy()
             for _ in range(setting.steps):
@@ -238,12 +243,12 @@ def spread(values) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reference", default="auto",
-                        choices=("auto", "increment", "client-centre"))
+                        choices=("auto", "increment", "client-centre", "server-centre"))
     parser.add_argument("--rules", nargs="+", default=list(RULES))
     parser.add_argument("--attacks", nargs="+", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--rounds", type=int, default=Setting.rounds)
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
-    parser.add_argument("--norm-bound", default=Setting.norm_bound, choices=("none", "median"),
+    parser.add_argument("--norm-bound", default=Setting.norm_bound, choices=("auto", "none", "median"),
                         help="run-config robust-norm-bound")
     parser.add_argument("--attackers", type=int, default=Setting.attackers)
     parser.add_argument("--noise", type=float, default=Setting.noise,

@@ -46,7 +46,7 @@ from flwr.app import Array, ArrayRecord, RecordDict
 from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
 from flwr.serverapp.strategy.multikrum import select_multikrum
 
-from fedspc_app.core.config import AGGREGATIONS, NORM_BOUNDS
+from fedspc_app.core.config import AGGREGATIONS, NORM_BOUNDS, resolve_norm_bound
 from fedspc_app.core.config import ROBUST_AGGREGATIONS as ROBUST
 from fedspc_app.core.records import ArrayDict
 
@@ -108,9 +108,11 @@ class AggregationRule:
         the fewest values ``trimmed-mean`` cuts at each end.
     krum_select : int (default: 0, meaning n − f)
         ``multi-krum``: how many of the best-scored updates are averaged.
-    norm_bound : {"none", "median"} (default: "none")
+    norm_bound : {"auto", "none", "median"} (default: "none")
         A robust rule's bound on each update's norm before the rule
-        (:meth:`bound_factors`); the mean and the weighted mean ignore it.
+        (:meth:`bound_factors`); ``auto`` (the run-config's default) is ``median``
+        under a robust rule. The mean and the weighted mean ignore it (it reads
+        ``none`` there).
     """
 
     name: str = "mean"
@@ -129,6 +131,8 @@ class AggregationRule:
         if self.norm_bound not in NORM_BOUNDS:
             raise ValueError(f"norm bound must be one of {NORM_BOUNDS}, "
                              f"got {self.norm_bound!r}")
+        # As it acts: "auto" resolved, "none" under the mean and the weighted mean.
+        object.__setattr__(self, "norm_bound", resolve_norm_bound(self.norm_bound, self.name))
 
     @property
     def robust(self) -> bool:

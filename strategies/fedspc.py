@@ -29,8 +29,15 @@ the server has every accepted change; K copies of the corrected block, on disk:
 centre of all K of them, clients that have not trained yet counting with u_k = 0.
 Under the mean it is Algorithm 1 (u_bar stays the mean of the u_k), up to float
 rounding; under a robust rule u_bar stays inside the honest clients' range whatever
-the rounds. The default, ``reference="auto"``, is Algorithm 1's increment under the
-mean (and under differential privacy) and the client centre under a robust rule.
+the rounds. ``reference="server-centre"`` is the client centre with the server as
+the keeper of the u_k: each training message carries the client's u_k as the server
+has it, and the client trains with that one. An honest client's is its own bit for
+bit; a client whose reply was off (a lie, a bounded update) trains from the u_k that
+reply gave it, so a lie repeated every round is not integrated into its u_k round
+after round (its next honest update undoes it), and the server's and the client's u_k
+never drift apart. It costs one more copy of the corrected block in each training
+message. The default, ``reference="auto"``, is Algorithm 1's increment under the
+mean (and under differential privacy) and the server centre under a robust rule.
 Under Krum the client centre scores what u_bar is made of, the u_k (which carry
 the reported E_k); the increment averages the changes of the clients Krum selected
 on their shared updates, which do not show E_k (kept so, for the results measured
@@ -62,11 +69,11 @@ from logging import INFO
 from pathlib import Path
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from fedspc_app.core.config import resolve_reference
+from fedspc_app.core.config import CENTRE_RULES, REFERENCE_RULES, resolve_reference
 from fedspc_app.core.correction import (
     global_reference_update,
     reference_change,
@@ -76,6 +83,7 @@ from fedspc_app.core.correction import (
 from fedspc_app.core.dp_mechanism import smooth
 from fedspc_app.core.protocol import (
     ARRAYS,
+    CLIENT_REFERENCE_RECORD,
     GLOBAL_REFERENCE,
     METRICS,
     PARTITION_ID,
@@ -89,8 +97,7 @@ from strategies.aggregation import robust_reference_sum
 from strategies.personalized import PersonalizedFedAvg
 from strategies.references import ClientReferences
 
-REFERENCE_RULES = ("auto", "increment", "client-centre")
-# The checkpoint's key prefix of a tracked u_k ("client-centre"): client/<pid>/<key>.
+# The checkpoint's key prefix of a tracked u_k (CENTRE_RULES): client/<pid>/<key>.
 CLIENT_REFERENCE = "client/"
 
 
@@ -106,13 +113,15 @@ class FedSPC(PersonalizedFedAvg):
         The clients' local learning rate eta.
     upload : {"derived", "explicit"} (default: "derived")
         Whether clients upload their reference change or the server derives it.
-    reference : {"auto", "increment", "client-centre"} (default: "auto")
+    reference : {"auto", "increment", "client-centre", "server-centre"} (default: "auto")
         How u_bar follows the clients: Algorithm 1's increment by the (rule's centre
         of the) reference changes, or the rule's centre of every client's u_k, which
-        the server then keeps; ``auto``: the increment under the mean or with
-        differential privacy, the client centre under a robust rule.
+        the server then tracks; ``server-centre``: that centre, and each client
+        trains with the u_k the server keeps for it (sent in its training message)
+        instead of its own; ``auto``: the increment under the mean or with
+        differential privacy, the server centre under a robust rule.
     reference_dir : str | Path | None (default: None, a temporary folder)
-        ``client-centre``: the folder the tracked u_k are kept in
+        The centre rules: the folder the tracked u_k are kept in
         (:class:`~strategies.references.ClientReferences`); the ServerApp passes the
         run folder.
     **kwargs
@@ -135,7 +144,7 @@ class FedSPC(PersonalizedFedAvg):
         if reference not in REFERENCE_RULES:
             raise ValueError(f"reference must be one of {REFERENCE_RULES}, got {reference!r}")
         reference = resolve_reference(reference, self.rule.name, self.privacy is not None)
-        if reference == "client-centre" and self.privacy is not None:
+        if reference in CENTRE_RULES and self.privacy is not None:
             raise ValueError("reference 'client-centre' needs every client's reference "
                              "change, which differential privacy does not release")
         missing = set(corrected_keys) - set(self.shared_keys)
@@ -186,7 +195,7 @@ class FedSPC(PersonalizedFedAvg):
             raise ValueError("the checkpoint's u_bar does not cover the corrected keys")
         if any(set(reference) != set(self.corrected_keys) for reference in tracked.values()):
             raise ValueError("a tracked u_k of the checkpoint does not cover the corrected keys")
-        if self.reference == "client-centre" and completed_round > 0 and not tracked:
+        if self.reference in CENTRE_RULES and completed_round > 0 and not tracked:
             raise ValueError("the checkpoint keeps no u_k: it was written with "
                              "reference 'increment'")
         self.global_reference = {key: np.asarray(value, dtype=np.float32)
@@ -218,7 +227,30 @@ class FedSPC(PersonalizedFedAvg):
         reference = to_record(self.global_reference)
         for message in messages:
             message.content[GLOBAL_REFERENCE] = reference
+            if self.reference == "server-centre":
+                self.attach_client_reference(message)
         return messages
+
+    def attach_client_reference(self, message: Message) -> None:
+        """``reference="server-centre"``: send the destination client the u_k the
+        server keeps for it (0 before its first accepted reply), which the client
+        trains with in place of its own. The server is then the keeper of every u_k:
+        an accepted reply moves the client's u_k by the change the server derived
+        from what it aggregated (a bounded update's, under ``robust-norm-bound``), so
+        the two never drift apart, and a reply that is off by the same vector every
+        round is not integrated into the client's u_k round after round: the client
+        trains from the u_k its lie produced, and its next honest update undoes it."""
+        pid = self.sampler.partition_of.get(message.metadata.dst_node_id)
+        if pid is None:  # not bound (sampling binds every node it sends training)
+            return
+        store = self.reference_store()
+        tracked = store[pid] if pid in store else zeros_like(self.global_reference,
+                                                             self.corrected_keys)
+        # A round's messages share one RecordDict: this one gets its own (the records
+        # in it stay shared, not copied).
+        content = RecordDict(dict(message.content.items()))
+        content[CLIENT_REFERENCE_RECORD] = to_record(tracked)
+        message.content = content
 
     def reply_schema(self) -> ReplySchema:
         """:class:`PersonalizedFedAvg`'s schema, with FedSPC's own fields: the shared
@@ -258,7 +290,7 @@ class FedSPC(PersonalizedFedAvg):
         factors = self.norm_factors or [1.0] * len(accepted)
         changes: Iterable[ArrayDict] = (self.reference_change_of(m, factor)
                                         for m, factor in zip(accepted, factors))
-        if self.reference == "client-centre":
+        if self.reference in CENTRE_RULES:
             self.global_reference = self.client_centre(accepted, changes)
         else:
             previous = self.global_reference

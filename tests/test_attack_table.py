@@ -1,13 +1,15 @@
-"""One lying client against FedSPC (``fedspc-reference = "auto"``) and against the
-same robust rule without FedSPC, on the small simulated federation of
-scripts/attack_table.py (12 rounds, seeds 0–2 here; the server checks each E_k, as
-the app does): the lie may move the shared block at most 1.5 times as far with
-FedSPC as without (the ratio of the means over the seeds), and u_bar's norm at most
-1.5 times its attack-free norm; the same for two adaptive lies (a mild scale, and a
-small lean repeated every round), which miss it by far. The cells that miss the first bound are strict
-xfails with the ratio measured (docs/robustness.md, "What was tried"); the bound on
-the updates' norms (``robust-norm-bound = "median"``) and the E_k-unchecked variant
-are measured by the slow tests."""
+"""One lying client against FedSPC and against the same robust rule without FedSPC,
+with the defaults (``fedspc-reference = "auto"``: the server centre, the server
+keeping every u_k and sending each client its own; ``robust-norm-bound = "auto"``:
+each update bounded to the round's median norm, with FedSPC and without), on the small
+simulated federation of scripts/attack_table.py (12 rounds, seeds 0–2 here; the
+server checks each E_k, as the app does): the lie may move the shared block at most
+1.5 times as far with FedSPC as without (the ratio of the means over the seeds), for
+the four named attacks and two adaptive lies (a mild scale, and a small lean repeated
+every round); u_bar's norm at most 1.5 times its attack-free norm, which misses under
+Multi-Krum for sign-flip (a strict xfail with the figure). Why both defaults are
+needed (the client centre alone, the bound alone) is measured here too; the 30-round,
+five-seed table by the slow tests (docs/robustness.md)."""
 
 from __future__ import annotations
 
@@ -35,19 +37,17 @@ spec.loader.exec_module(table)
 FAST = table.Setting(rounds=12)  # E_k checked against the partition's size
 SEEDS = (0, 1, 2)
 FULL = table.Setting()  # 30 rounds, with table.SEEDS (0–4): the documented table
-# Measured ratios (12 rounds, seeds 0–2): FedSPC's correction makes the honest updates
-# alike, so the liar's scaled update lands beyond them in the direction they share,
-# and its derived reference change, 50 times too large, puts its tracked u_k at one
-# end of every coordinate: the centres of theta_s and of the u_k move a rank a round.
-MISSES = {("scale x50", "median"): 3.31, ("scale x50", "trimmed-mean"): 1.75,
-          # The adaptive lies (a mild scale; a lean of norm 0.1 the same every round):
-          # the corrected honest updates are small and alike, and the references
-          # integrate a lie that repeats, so every rule misses by far (bias under
-          # Multi-Krum: u_bar 2.26 too).
-          ("scale x2", "median"): 3.80, ("scale x2", "trimmed-mean"): 2.22,
-          ("bias 0.1", "median"): 6.00, ("bias 0.1", "trimmed-mean"): 6.97,
-          ("bias 0.1", "multi-krum"): 16.92}
+# u_bar attacked / clean measured above 1.5 (12 rounds, seeds 0–2): Multi-Krum scores
+# the u_k, and the sign-flipping liar's u_k (the server's, from its bounded replies)
+# drifts inside the honest clients' spread before it is far enough to be left out.
+U_BAR_MISSES = {("sign-flip", "multi-krum"): 1.61}
 NAMED = [attack for attack in table.ATTACKS if attack not in table.ADAPTIVE]
+# Lies that still move theta_s once bounded (a scaled update bounded to the median
+# norm is the liar's honest update): measured against the honest floor.
+SURVIVING = ("sign-flip", "noise", "small-steps")
+# The federation without the defaults' two parts: the clients keeping their own u_k
+# (the client centre), and no bound on the updates' norms.
+CLIENTS_KEEP = replace(FAST, norm_bound="none")
 
 
 def within_bounds(row) -> bool:
@@ -56,16 +56,45 @@ def within_bounds(row) -> bool:
 
 @pytest.mark.parametrize("rule", table.RULES)
 @pytest.mark.parametrize("attack", list(table.ATTACKS))
-def test_fedspc_moves_the_shared_block_no_further_than_the_rule_alone(attack, rule,
-                                                                       request):
-    if (attack, rule) in MISSES:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            f"measured ratio {MISSES[attack, rule]} (12 rounds, seeds 0-2; the 30-round "
-            "figures in docs/robustness.md); robust-norm-bound = 'median' cuts the x50 "
-            "effect with FedSPC fourfold but the rule alone's more, test_the_norm_bound")))
+def test_fedspc_moves_the_shared_block_no_further_than_the_rule_alone(attack, rule):
     cell = table.measure_seeds(attack, rule, "auto", FAST, SEEDS)
-    assert cell.u_bar <= 1.5, cell
     assert cell.ratio <= 1.5, cell
+
+
+@pytest.mark.parametrize("rule", table.RULES)
+@pytest.mark.parametrize("attack", list(table.ATTACKS))
+def test_a_lie_leaves_u_bar_near_its_attack_free_norm(attack, rule, request):
+    if (attack, rule) in U_BAR_MISSES:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            f"measured {U_BAR_MISSES[attack, rule]} (12 rounds, seeds 0-2; 30 rounds, "
+            "seeds 0-4: docs/robustness.md)")))
+    assert table.measure_seeds(attack, rule, "auto", FAST, SEEDS).u_bar <= 1.5
+
+
+@pytest.mark.parametrize("rule", table.RULES)
+def test_the_server_keeping_the_u_k_is_what_stops_a_repeated_lie(rule):
+    # The same lean of norm 0.1 every round, no bound: where each client keeps its own
+    # u_k (client-centre), the lean is integrated into the liar's u_k round after
+    # round and moves theta_s several times the honest floor; where the server keeps
+    # the u_k and the liar trains from its (server-centre), its next honest update
+    # undoes the lean, and the effect is the rule alone's.
+    own = table.measure_seeds("bias 0.1", rule, "client-centre", CLIENTS_KEEP, SEEDS)
+    kept = table.measure_seeds("bias 0.1", rule, "server-centre", CLIENTS_KEEP, SEEDS)
+    null = table.measure_seeds(table.NULL, rule, "server-centre", CLIENTS_KEEP, SEEDS)
+    assert own.with_fedspc >= 3 * null.with_fedspc, (own, null)
+    assert kept.with_fedspc <= 1.5 * max(null.with_fedspc, kept.without), (kept, null)
+    assert kept.ratio <= 1.5 < own.ratio
+
+
+def test_the_bound_is_what_stops_a_scaled_update():
+    # x50 under the median: the server keeping the u_k does not stop a liar whose
+    # every reply is 50 times its update (its u_k swings further each round); bounding
+    # each update to the round's median norm does, with FedSPC and without.
+    unbounded = table.measure_seeds("scale x50", "median", "server-centre", CLIENTS_KEEP,
+                                    SEEDS)
+    bounded_ = table.measure_seeds("scale x50", "median", "server-centre", FAST, SEEDS)
+    assert unbounded.ratio > 1.5 >= bounded_.ratio
+    assert bounded_.with_fedspc < 0.2 * unbounded.with_fedspc
 
 
 @pytest.mark.parametrize("rule", table.RULES)
@@ -75,8 +104,7 @@ def test_the_effects_are_the_lies_not_a_divergence_floor(rule):
     # not a divergence of the trajectories. Without FedSPC the x50 lie's effect under
     # the median is only about three times this floor (0.37 against 0.14).
     null = table.measure_seeds(table.NULL, rule, "auto", FAST, SEEDS)
-    lies = [table.measure_seeds(attack, rule, "auto", FAST, SEEDS)
-            for attack in (*NAMED, table.UNCHECKED)]
+    lies = [table.measure_seeds(attack, rule, "auto", FAST, SEEDS) for attack in SURVIVING]
     assert null.with_fedspc <= 0.15 * min(cell.with_fedspc for cell in lies), null
     assert null.without <= 0.5 * min(cell.without for cell in lies if cell.without), null
     assert 0.8 <= null.u_bar <= 1.2
@@ -86,9 +114,9 @@ def test_the_bounds_fail_for_algorithm_ones_increment():
     # Multi-Krum scores the shared updates; with the increment a client reporting one
     # step sends an honest update (selected) and a change E times too large into u_bar
     # (when the server does not check E_k).
-    row = table.measure(table.UNCHECKED, "multi-krum", "increment", FAST)
+    row = table.measure(table.UNCHECKED, "multi-krum", "increment", CLIENTS_KEEP)
     assert row.u_bar > 3 and not within_bounds(row)
-    assert not within_bounds(table.measure("scale x50", "median", "increment", FAST))
+    assert not within_bounds(table.measure("scale x50", "median", "increment", CLIENTS_KEEP))
 
 
 def test_the_norm_bound_scales_updates_above_the_median_norm_to_it():
@@ -101,9 +129,14 @@ def test_the_norm_bound_scales_updates_above_the_median_norm_to_it():
     out = bounded(updates, origin, ["w"], factors)
     assert [float(np.linalg.norm(u["w"])) for u in out] == pytest.approx([3.5, 1, 2, 3.5])
     assert out[1] is updates[1] and out[0]["b"] is updates[0]["b"]  # the rest untouched
-    for name, bound in (("mean", "median"), ("weighted", "median"), ("median", "none")):
+    for name, bound in (("mean", "median"), ("weighted", "median"), ("median", "none"),
+                        ("mean", "auto")):
         assert AggregationRule(name, norm_bound=bound).bound_factors(
             updates, origin, ["w"]) == [1.0] * 4
+    # "auto" (the run-config's default) is the median norm under a robust rule.
+    assert AggregationRule("median", norm_bound="auto").norm_bound == "median"
+    assert AggregationRule("median", norm_bound="auto").bound_factors(
+        updates, origin, ["w"]) == factors
     with pytest.raises(ValueError, match="norm bound"):
         AggregationRule("median", norm_bound="max")
 
@@ -135,18 +168,6 @@ def test_fedspc_derives_the_change_from_the_bounded_update(upload):
     assert strategy.norm_factors[0] == pytest.approx(bound / norms[0])
 
 
-def test_a_repeated_lean_is_below_the_noise_without_fedspc_and_far_above_with_it():
-    # One client adding the same vector of norm 0.1 to its update every round: without
-    # FedSPC its effect is at most the honest liar's other-noise floor; with FedSPC it
-    # is several times that floor under each robust rule (the references take the
-    # repeated lean for drift and correct every client by it).
-    for rule in table.RULES:
-        null = table.measure_seeds(table.NULL, rule, "auto", FAST, SEEDS)
-        lean = table.measure_seeds("bias 0.1", rule, "auto", FAST, SEEDS)
-        assert lean.without <= 1.0 * max(null.without, null.with_fedspc), (rule, lean, null)
-        assert lean.with_fedspc >= 3 * null.with_fedspc, (rule, lean, null)
-
-
 def test_under_the_mean_a_repeated_lean_moves_fedspc_without_bound():
     # Algorithm 1 under the plain mean (FedSPC and SCAFFOLD alike): a lean of norm
     # 0.1 moves theta_s ever further, about linearly in the rounds (seed 0: 0.87,
@@ -163,27 +184,28 @@ def test_under_the_mean_a_repeated_lean_moves_fedspc_without_bound():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("rule", table.RULES)
-def test_an_unchecked_step_count_does_not_move_u_bar(rule):
-    # Over rounds 16-30, seeds 0-4: 1.04, 1.03, 0.99. (Over rounds 7-12 of 12 rounds
-    # the liar's growing u_k changes Multi-Krum's selection for a few rounds: 1.81.)
-    cell = table.measure_seeds(table.UNCHECKED, rule, "auto", FULL)
-    assert cell.u_bar <= 1.5, cell
+def test_an_unchecked_step_count_moves_u_bar_only_where_the_server_does_not_check(rule):
+    # A server that does not check E_k (the app always does): the liar's u_k, derived
+    # from a step count five times too small and sent back to it, over-corrects its
+    # next update, and u_bar moves (rounds 16-30, seeds 0-4: 1.37 under the median,
+    # 1.61 under the trimmed mean, 1.94 under Multi-Krum). Checked, it is dropped.
+    unchecked = table.measure_seeds(table.UNCHECKED, rule, "auto", FULL)
+    assert (unchecked.u_bar > 1.5) == (rule != "median"), unchecked
+    checked = table.measure_seeds("small-steps", rule, "auto", FULL)
+    assert checked.u_bar <= 1.5 and checked.ratio <= 1.5, checked
 
 
 @pytest.mark.slow
-def test_the_norm_bound():
-    # robust-norm-bound = "median" (30 rounds, seeds 0-4): the x50 liar's effect with
-    # FedSPC falls from 1.36 to 0.35 under the median, but without FedSPC from 0.30
-    # to 0.06, so the ratio stays above 1.5; and under Multi-Krum a sign-flipping
-    # liar's u_bar grows (the tracked u_k of clipped honest clients drift from their
-    # own): why it is not the default.
-    bound = replace(FULL, norm_bound="median")
-    plain = table.measure_seeds("scale x50", "median", "auto", FULL)
-    clipped = table.measure_seeds("scale x50", "median", "auto", bound)
-    assert clipped.with_fedspc < 0.5 * plain.with_fedspc
-    assert clipped.without < 0.5 * plain.without
-    assert clipped.ratio > 1.5
-    assert table.measure_seeds("sign-flip", "multi-krum", "auto", bound).u_bar > 1.5
+def test_the_documented_table():
+    # 30 rounds, seeds 0-4, the defaults (docs/robustness.md): every ratio at most 1.5;
+    # u_bar within 1.5 times its attack-free norm but for noise under Multi-Krum
+    # (measured 1.97, two seeds of five above 1.5).
+    misses = {("noise", "multi-krum")}
+    for attack in table.ATTACKS:
+        for rule in table.RULES:
+            cell = table.measure_seeds(attack, rule, "auto", FULL)
+            assert cell.ratio <= 1.5, (attack, rule, cell)
+            assert (cell.u_bar > 1.5) == ((attack, rule) in misses), (attack, rule, cell)
 
 
 def test_the_bias_attack_adds_the_same_vector_of_norm_s_every_round():

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
 from flwr.serverapp.strategy.multikrum import select_multikrum
 from test_reference_rule import run, server
 from test_strategies import FakeGrid, arrays_of, f32, record, reply
 
+from fedspc_app.client_app import server_kept_reference
 from fedspc_app.core.config import RunConfig, resolved_settings, validate
 from fedspc_app.core.deferred import Deferred
 from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.protocol import CLIENT_REFERENCE_RECORD
 from fedspc_app.runs.checkpoint import Checkpoint, fingerprint, read_checkpoint, write_checkpoint
 from strategies import AggregationRule, FedSPC, PersonalizedFedAvg
 from strategies.aggregation import krum_choice, trimmed_mean
@@ -177,16 +179,16 @@ def test_auto_is_algorithm_one_under_the_mean_and_the_centre_under_a_robust_rule
     assert RunConfig().reference_rule == "increment"
     assert RunConfig(aggregation="weighted").reference_rule == "increment"
     for rule in ("median", "trimmed-mean", "krum", "multi-krum"):
-        assert RunConfig(aggregation=rule).reference_rule == "client-centre"
+        assert RunConfig(aggregation=rule).reference_rule == "server-centre"
         assert RunConfig(aggregation=rule, fedspc_reference="increment").reference_rule == (
             "increment")
     dp = validate(RunConfig(fedspc=True, dp_clipping_norm=1.0, local_steps=4))
     assert dp.fedspc_reference == "auto" and dp.reference_rule == "increment"
-    assert server("auto", rule="median").reference == "client-centre"
+    assert server("auto", rule="median").reference == "server-centre"
     assert server("auto").reference == "increment"
     # Bit for bit the increment under the mean, and the same rounds under the median as
     # the client centre.
-    for rule, same in (("mean", "increment"), ("median", "client-centre")):
+    for rule, same in (("mean", "increment"), ("median", "server-centre")):
         _, _, auto = run("auto", rule=rule, rounds=4, partial=True)
         _, _, explicit = run(same, rule=rule, rounds=4, partial=True)
         assert all(a.tobytes() == b.tobytes() for a, b in zip(auto, explicit))
@@ -201,7 +203,7 @@ def test_runs_recorded_before_auto_compare_equal_to_their_settings_now():
     # A checkpoint's identity holds the resolved rule: an old "increment" run under the
     # mean resumes with the default.
     assert fingerprint(RunConfig(), 4)["fedspc-reference"] == "increment"
-    assert fingerprint(RunConfig(aggregation="krum"), 4)["fedspc-reference"] == "client-centre"
+    assert fingerprint(RunConfig(aggregation="krum"), 4)["fedspc-reference"] == "server-centre"
 
 
 def test_krum_with_the_client_centre_scores_the_u_k_that_make_u_bar():
@@ -211,7 +213,7 @@ def test_krum_with_the_client_centre_scores_the_u_k_that_make_u_bar():
     strategy = FedSPC(shared_keys=["w"], corrected_keys=["w"], learning_rate=0.1,
                       num_partitions=5, min_train_replies=0.1, reference="auto",
                       aggregation=AggregationRule("multi-krum", byzantine=1))
-    assert strategy.reference == "client-centre"
+    assert strategy.reference == "server-centre"
     base = 1.0 + 0.1 * np.random.default_rng(3).standard_normal((5, 2))
     theta = f32(0.0, 0.0)
     strategy.configure_train(1, record({"w": theta}), ConfigRecord(), FakeGrid(range(1, 6)))
@@ -275,18 +277,79 @@ def test_a_checkpoint_from_before_the_key_resumes_with_the_increment(tmp_path):
 
 
 def test_a_checkpoint_from_before_the_norm_bound_resumes_without_it(tmp_path):
-    assert RunConfig().robust_norm_bound == "none"
+    assert RunConfig().robust_norm_bound == "auto"
     assert RunConfig(robust_norm_bound="median").norm_bound == "none"  # the mean: never
+    assert RunConfig(aggregation="median").norm_bound == "median"  # auto: a robust rule
     for aggregation in ("mean", "median"):
-        config = RunConfig(fedspc=True, aggregation=aggregation)
+        config = RunConfig(fedspc=True, aggregation=aggregation, robust_norm_bound="none")
         old = {k: v for k, v in fingerprint(config, 4).items() if k != "robust-norm-bound"}
         write_checkpoint(tmp_path, Checkpoint(round=1, phase="complete", shared={"w": f32(0)},
                                               global_reference={"w": f32(1)}, strategy={}),
                          old, new_arrays=True)
         assert read_checkpoint(tmp_path, fingerprint(config, 4)).round == 1
-        bounded = fingerprint(config.replace(robust_norm_bound="median"), 4)
+        # The default now bounds under a robust rule: another run than the checkpoint's.
+        bounded = fingerprint(config.replace(robust_norm_bound="auto"), 4)
         if aggregation == "mean":  # ignored under the mean: the same run
             assert read_checkpoint(tmp_path, bounded).round == 1
         else:
             with pytest.raises(ConfigError, match="robust-norm-bound: checkpoint 'none'"):
                 read_checkpoint(tmp_path, bounded)
+
+
+# ------------------------------------------------------------ the server keeps the u_k
+def test_the_server_centre_sends_each_client_the_u_k_it_keeps_for_it():
+    # Round 1: every client's u_k is 0; round 2: the one the server derived from its
+    # reply (client 0's, bounded to the median norm, as the server saw it), each in its
+    # own message (a round's messages share one RecordDict until this one is added).
+    eta, steps = 0.1, 4
+    strategy = FedSPC(shared_keys=["w"], corrected_keys=["w"], learning_rate=eta,
+                      num_partitions=5, min_train_replies=0.1, reference="auto",
+                      aggregation=AggregationRule("median", norm_bound="auto"))
+    assert strategy.reference == "server-centre"
+    theta = f32(1.0, -1.0)
+    grid = FakeGrid(range(1, 6))
+    first = list(strategy.configure_train(1, record({"w": theta}), ConfigRecord(), grid))
+    for message in first:
+        kept = message.content.array_records[CLIENT_REFERENCE_RECORD]
+        assert kept["w"].numpy().tobytes() == f32(0.0, 0.0).tobytes()
+    deltas = [f32(-0.4, 0.2) * (50.0 if k == 0 else 1.0 + 0.1 * k) for k in range(5)]
+    strategy.aggregate_train(1, [reply({"w": theta + d}, node=k + 1, **{
+        "num-examples": 10, "shared-steps": steps}) for k, d in enumerate(deltas)])
+    second = list(strategy.configure_train(2, record({"w": theta}), ConfigRecord(), grid))
+    assert len({id(m.content) for m in second}) == 5
+    bound = float(np.median([np.linalg.norm(d) for d in deltas]))
+    for message in second:
+        pid = message.metadata.dst_node_id - 1
+        kept = message.content.array_records[CLIENT_REFERENCE_RECORD]["w"].numpy()
+        assert kept.tobytes() == strategy.client_references[pid]["w"].tobytes()
+        factor = min(1.0, bound / float(np.linalg.norm(deltas[pid])))
+        np.testing.assert_allclose(kept, -factor * deltas[pid] / (steps * eta), rtol=1e-5)
+    # The client centre (clients keep their own) and the increment send none.
+    for reference in ("client-centre", "increment"):
+        other = FedSPC(shared_keys=["w"], corrected_keys=["w"], learning_rate=eta,
+                       num_partitions=5, reference=reference,
+                       aggregation=AggregationRule("median"))
+        for message in other.configure_train(1, record({"w": theta}), ConfigRecord(), grid):
+            assert CLIENT_REFERENCE_RECORD not in message.content.array_records
+
+
+def test_a_client_trains_with_the_u_k_the_server_sent_and_checks_it():
+    u_bar = {"w": f32(0.5, 0.5), "b": np.zeros((2, 2), np.float32)}
+
+    def message(kept=None):
+        content = RecordDict({"global-reference": record(u_bar)})
+        if kept is not None:
+            content[CLIENT_REFERENCE_RECORD] = record(kept)
+        return Message(content=content, dst_node_id=1, message_type=MessageType.TRAIN)
+
+    assert server_kept_reference(message(), u_bar) is None
+    kept = {"w": f32(1.0, 2.0), "b": np.ones((2, 2), np.float32)}
+    got = server_kept_reference(message(kept), u_bar)
+    assert all(got[k].tobytes() == kept[k].tobytes() for k in kept)
+    for bad in ({"w": f32(1.0, 2.0)},  # a key missing
+                {**kept, "c": f32(1.0)},  # one more
+                {**kept, "w": f32(1.0, 2.0, 3.0)},  # another shape
+                {**kept, "w": np.array([1.0, 2.0])},  # float64
+                {**kept, "w": f32(1.0, np.nan)}):  # not finite
+        with pytest.raises(ValueError, match="client reference"):
+            server_kept_reference(message(bad), u_bar)

@@ -54,9 +54,10 @@ AUGMENTS = ("auto", "none", "crop-flip")
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 REFERENCE_UPLOADS = ("derived", "explicit")
-REFERENCE_RULES = ("auto", "increment", "client-centre")
+REFERENCE_RULES = ("auto", "increment", "client-centre", "server-centre")
+CENTRE_RULES = ("client-centre", "server-centre")  # the server tracks every u_k
 # A robust rule's bound on each update's norm before it (strategies/aggregation.py).
-NORM_BOUNDS = ("none", "median")
+NORM_BOUNDS = ("auto", "none", "median")
 FINETUNE_PARTS = ("all", "head")
 # What a held-out client fine-tunes before it is tested (clients/held_out.py).
 HELD_OUT_PARTS = ("auto", "personal", "all", "none")
@@ -74,13 +75,17 @@ def resolve_reference(reference: str, aggregation: str, dp: bool) -> str:
         return reference
     if dp or aggregation not in ROBUST_AGGREGATIONS:
         return "increment"
-    return "client-centre"
+    return "server-centre"
 
 
 def resolve_norm_bound(norm_bound: str, aggregation: str) -> str:
     """``robust-norm-bound`` as it acts: ``none`` under the mean and the weighted mean,
-    which never bound (Algorithm 1)."""
-    return norm_bound if aggregation in ROBUST_AGGREGATIONS else "none"
+    which never bound (Algorithm 1); ``auto`` is ``median`` under a robust rule (with
+    FedSPC's client centre it keeps one liar's effect within the rule's alone:
+    docs/robustness.md)."""
+    if aggregation not in ROBUST_AGGREGATIONS:
+        return "none"
+    return "median" if norm_bound == "auto" else norm_bound
 
 
 def resolved_settings(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -145,7 +150,7 @@ class RunConfig:
     trim_fraction: float = 0.1
     byzantine_clients: int = 0
     krum_select: int = 0
-    robust_norm_bound: str = "none"
+    robust_norm_bound: str = "auto"
     server_optimizer: str = "mean"
     server_learning_rate: float = 0.0
     server_momentum: float = 0.0
@@ -483,7 +488,7 @@ def _check_privacy(config: RunConfig) -> None:
     if config.fedspc_upload != "derived":
         refusals.append("'fedspc-upload' = 'derived' (an uploaded reference change would "
                         "leave the server unclipped and unnoised)")
-    if config.fedspc_reference == "client-centre":
+    if config.fedspc_reference in CENTRE_RULES:
         refusals.append("'fedspc-reference' = 'increment' or 'auto' (u_bar is computed "
                         "from the privatized aggregate; no client's own change is released)")
     if config.dp_noise_multiplier > 0 and math.isinf(config.dp_clipping_norm):

@@ -13,6 +13,9 @@ METRICS = "metrics"  # MetricRecord of a reply
 CONFIG = "config"  # ConfigRecord of a server message
 GLOBAL_REFERENCE = "global-reference"  # ArrayRecord: FedSPC's u_bar^t (train messages)
 REFERENCE_CHANGE = "reference-change"  # ArrayRecord: u_k^{t+1} - u_k^t (explicit upload)
+# ArrayRecord: FedSPC's u_k^t as the server keeps it (fedspc-reference = "server-centre"),
+# which the client trains with in place of its own (train messages).
+CLIENT_REFERENCE_RECORD = "client-reference"
 
 # Keys of the ``config`` record.
 SERVER_ROUND = "server-round"
