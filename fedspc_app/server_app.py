@@ -471,7 +471,8 @@ def not_covered(config: RunConfig) -> list[str]:
                   "unnoised, on the clients' own test data, with personal parts trained in "
                   "the rounds each client was drawn")
     timing = ("timing: a training phase lasts longer the more clients it draws, seen in "
-              f"message, file and log times and W&B's _runtime; {padded}")
+              f"message, file and log times and W&B's _runtime; {padded}; in a "
+              "simulation, also when each drawn client's message is picked up by a worker")
     return [evaluation, timing,
             "the checkpoint and client-state/ (the server's and the clients' own)"]
 

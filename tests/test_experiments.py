@@ -303,6 +303,24 @@ def small_grid(tmp_path: Path):
                              "alpha": [0.1, 1.0]}}, tmp_path)
 
 
+def test_a_private_cell_s_line_gives_no_times(tmp_path):
+    # Under differential privacy a cell's time grows with the clients its rounds drew:
+    # its progress line says done, with no time, elapsed time or ETA; a cell without DP
+    # keeps them.
+    grid = grid_of({"axes": {"method": ["fedper"], "setting": {
+        "dp": {"dp-clipping-norm": 0.5, "dp-noise-multiplier": 1.0, "local-steps": 2},
+        "plain": {"dp-clipping-norm": 0.0}}}}, tmp_path)
+    clock = Clock()
+    lines = []
+    run_grid(grid, grid.cells, runner=FakeRunner(clock=clock), echo=lines.append, clock=clock)
+    done = [line for line in lines if " done" in line and line.startswith("[")]
+    private = next(line for line in done if "-dp" in line.split()[1])
+    plain = next(line for line in done if "-plain" in line.split()[1])
+    assert "0:0" not in private and "elapsed" not in private and "ETA" not in private
+    assert private.endswith("(no times under differential privacy)")
+    assert "done in 0:01:00" in plain and "| elapsed" in plain
+
+
 def test_runner_skips_finished_cells_and_reports_progress(tmp_path):
     grid = small_grid(tmp_path)
     finish(grid.cells[1])

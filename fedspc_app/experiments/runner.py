@@ -358,6 +358,9 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
             handle.write(f"\n=== {cell.name} | {_now()} | {describe(cell)}\n")
         echo(f"[{done + 1}/{total}] {cell.name}: {describe(cell)}{progress_note(cell)}")
         cell_started = clock()
+        # Under differential privacy a cell's time grows with how many clients its
+        # rounds drew: its line gives no time (nor the elapsed time and ETA it moves).
+        private = float(cell.run_config.get("dp-clipping-norm") or 0.0) > 0
         saved = saved_progress(cell.run_dir)
         try:
             summary = runner(cell, log_file)
@@ -365,15 +368,16 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
             outcome.paused, outcome.pause_reason = True, paused.reason
             why = f" ({paused.reason})" if paused.reason else ""
             echo(f"[{done + 1}/{total}] {cell.name} paused after round {paused.after_round}"
-                 f" of {paused.num_rounds}{why} | elapsed "
-                 f"{format_duration(clock() - started)}")
+                 f" of {paused.num_rounds}{why}" + ("" if private else
+                                                    f" | elapsed {format_duration(clock() - started)}"))
             break
         except CELL_ERRORS as error:
             seconds = clock() - cell_started
             failures[cell.name] = {"error": str(error), "log": str(log_file), "at": _now()}
             _write_failures(grid, failures)
             outcome.failed[cell.name] = str(log_file)
-            result = f"FAILED after {format_duration(seconds)}: {error}"
+            result = ("FAILED" if private else f"FAILED after {format_duration(seconds)}"
+                      ) + f": {error}"
         else:
             seconds = clock() - cell_started
             durations.append(seconds)
@@ -382,7 +386,7 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
                 _write_failures(grid, failures)
             outcome.ran.append(cell.name)
             final = summary.get("final-accuracy")
-            result = f"done in {format_duration(seconds)}" + (
+            result = ("done" if private else f"done in {format_duration(seconds)}") + (
                 f", final accuracy {100 * final:.2f}%" if isinstance(final, (int, float))
                 else "")
         done += 1
@@ -395,8 +399,9 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
             measured += statistics.median(overheads) * (len(todo) - index)
         eta = format_duration(measured if measured is not None
                               else mean * (len(todo) - index))
-        echo(f"[{done}/{total}] {cell.name} {result} | elapsed {format_duration(elapsed)}"
-             f" | ETA {eta}")
+        echo(f"[{done}/{total}] {cell.name} {result}" + (
+            " (no times under differential privacy)" if private else
+            f" | elapsed {format_duration(elapsed)} | ETA {eta}"))
     if outcome.failed:
         echo(f"{len(outcome.failed)} cell(s) failed:")
         for name, log in outcome.failed.items():
