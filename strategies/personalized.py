@@ -393,6 +393,14 @@ class PersonalizedFedAvg(FedAvg):
             return self._check_counts(metrics)
         return None
 
+    def update_keys(self) -> tuple[str, ...]:
+        """The keys an update's norm, clipping and drift diagnostics cover: ``drift_keys``,
+        or the floating-point shared keys (a checked reply has the broadcast's dtypes)."""
+        if self.drift_keys is not None:
+            return self.drift_keys
+        return tuple(k for k in self.shared_keys
+                     if np.issubdtype(self.broadcast[k].dtype, np.floating))
+
     def _check_clipping(self, message: Message) -> str | None:
         """Under differential privacy with clipping on the clients, why the
         (schema-checked) reply's update of the released keys is longer than the round's
@@ -404,8 +412,7 @@ class PersonalizedFedAvg(FedAvg):
         if privacy is None or privacy.clip_on_server or self.release is None:
             return None
         bound = self.release.clipping_norm
-        keys = self.drift_keys if self.drift_keys is not None else tuple(
-            k for k in self.shared_keys if np.issubdtype(self.broadcast[k].dtype, np.floating))
+        keys = self.update_keys()
         if not keys or not math.isfinite(bound):
             return None
         norm = update_norm(from_record(message.content.array_records[ARRAYS]),
@@ -552,9 +559,7 @@ class PersonalizedFedAvg(FedAvg):
             weights = [float(m[NUM_EXAMPLES]) for m in metrics]
         else:
             weights = [1.0] * len(updates)
-        keys = self.drift_keys if self.drift_keys is not None else tuple(
-            k for k in self.shared_keys
-            if np.issubdtype((updates[0] if updates else self.broadcast)[k].dtype, np.floating))
+        keys = self.update_keys()
         self.norm_factors = [1.0] * len(updates)
         if self.privacy is not None:
             self.selected = list(range(len(updates)))
