@@ -271,6 +271,9 @@ def losses(rounds: list[dict]) -> list[float]:
     # u_bar as the median of the u_k the server keeps: they are in the checkpoint
     # (killed in round 2's training, the resumed round 2 needs round 1's u_k).
     (8, "fedrep", {"aggregation": "median", "fedspc-reference": "client-centre"}),
+    # The default under a robust rule: the server sends each client the u_k it keeps
+    # (restored from the checkpoint), each update bounded to the round's median norm.
+    (8, "fedrep", {"aggregation": "trimmed-mean", "fedspc-reference": "server-centre"}),
     # A decaying learning rate: the resumed run continues the schedule.
     (10, "fedrep", {"lr-schedule": "exponential", "lr-decay": 0.5}),
     # Differential privacy draws from a secret in the checkpoint:
