@@ -140,14 +140,15 @@ def _strategy(config: RunConfig, method: Method, split: ParameterSplit,
             log(WARNING, "aggregation 'krum' with FedSPC: u_bar follows one client's "
                 "reference a round (FedRep + FedSPC on CIFAR-100, one seed, no attacker: "
                 "15.30 % with fedspc-reference 'increment', 31.89 % with "
-                "'client-centre', which 'auto' picks, 37.88 % under the mean; "
+                "'client-centre' (the centre 'auto' picks, 'server-centre', with the "
+                "server keeping the u_k, was not run), 37.88 % under the mean; "
                 "docs/robustness.md); 'multi-krum', 'median' or 'trimmed-mean' keep "
                 "more than one client")
         if config.aggregation in ("krum", "multi-krum") and config.reference_rule == "increment":
             log(WARNING, "aggregation %r with fedspc-reference 'increment': u_bar moves by "
                 "the reference changes of the clients Krum selected on their shared "
                 "updates; a change also carries the client's reported step count, which "
-                "Krum did not score ('auto' or 'client-centre' scores the u_k themselves)",
+                "Krum did not score ('auto' or a centre rule scores the u_k themselves)",
                 config.aggregation)
         log(INFO, "FedSPC: u_bar by %s (fedspc-reference = %r, aggregation = %r)",
             config.reference_rule, config.fedspc_reference, config.aggregation)
