@@ -45,7 +45,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from flwr.supercore.task_identity import TaskIdentity
 
 from clients.attack import attacked_reply
-from fedspc_app.core.config import RunConfig
+from fedspc_app.core.config import RunConfig, resolve_norm_bound
 from fedspc_app.core.correction import reference_change, shared_update
 from fedspc_app.core.protocol import CLIENT_REFERENCE_RECORD
 from fedspc_app.core.records import from_record
@@ -97,7 +97,8 @@ class Grid:
 def strategy(rule: str, fedspc: bool, reference: str, setting: Setting):
     common = dict(shared_keys=[W], num_partitions=setting.clients, min_train_replies=0.1,
                   aggregation=AggregationRule(rule, trim_fraction=0.2, byzantine=2,
-                                              norm_bound=setting.norm_bound),
+                                              norm_bound=resolve_norm_bound(
+                                                  setting.norm_bound, rule, fedspc)),
                   seed=setting.seed,
                   expected_counts=({pid: (10, setting.steps) for pid in range(setting.clients)}
                                    if setting.check_counts else None))

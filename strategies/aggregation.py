@@ -108,11 +108,11 @@ class AggregationRule:
         the fewest values ``trimmed-mean`` cuts at each end.
     krum_select : int (default: 0, meaning n − f)
         ``multi-krum``: how many of the best-scored updates are averaged.
-    norm_bound : {"auto", "none", "median"} (default: "none")
+    norm_bound : {"none", "median"} (default: "none")
         A robust rule's bound on each update's norm before the rule
-        (:meth:`bound_factors`); ``auto`` (the run-config's default) is ``median``
-        under a robust rule. The mean and the weighted mean ignore it (it reads
-        ``none`` there).
+        (:meth:`bound_factors`); the mean and the weighted mean ignore it (it reads
+        ``none`` there). The run-config's ``auto`` is resolved before
+        (:func:`fedspc_app.core.config.resolve_norm_bound`).
     """
 
     name: str = "mean"
@@ -131,7 +131,7 @@ class AggregationRule:
         if self.norm_bound not in NORM_BOUNDS:
             raise ValueError(f"norm bound must be one of {NORM_BOUNDS}, "
                              f"got {self.norm_bound!r}")
-        # As it acts: "auto" resolved, "none" under the mean and the weighted mean.
+        # As it acts: "none" under the mean and the weighted mean.
         object.__setattr__(self, "norm_bound", resolve_norm_bound(self.norm_bound, self.name))
 
     @property
@@ -146,14 +146,20 @@ class AggregationRule:
 
     def shortfall(self, count: int) -> str | None:
         """Why ``count`` values are too few for this rule to bound f faulty ones, or
-        None: ``trimmed-mean`` would have to cut every value, and with n ≤ 2f the
+        None: ``trimmed-mean`` would have to cut every value, with n ≤ 2f the
         ``median`` is the faulty clients' to set (half the values of an even n, or
-        all but fewer than half of an odd one, may be theirs)."""
+        all but fewer than half of an odd one, may be theirs), and Krum needs
+        n > 2f + 2."""
         if self.name == "trimmed-mean" and count <= 2 * self.trim_count(count):
             return (f"trimmed-mean cuts byzantine-clients = {self.byzantine} values at "
                     f"each end and {count} accepted replies leave none; with n ≤ 2f "
                     "the faulty clients may be half the replies, which no coordinate "
                     "rule bounds")
+        if (self.name in ("krum", "multi-krum") and self.byzantine > 0
+                and 0 < count <= 2 * self.byzantine + 2):
+            return (f"{count} accepted replies with byzantine-clients = {self.byzantine}: "
+                    "Krum's scores bound f faulty clients only when n > 2f + 2 (with "
+                    "fewer they tie, and the lowest partition id wins)")
         if self.name == "median" and 0 < count <= 2 * self.byzantine:
             return (f"{count} accepted replies with byzantine-clients = {self.byzantine}: "
                     "with n ≤ 2f the faulty clients may be half the replies, and the "

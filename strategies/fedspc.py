@@ -97,6 +97,9 @@ from strategies.aggregation import robust_reference_sum
 from strategies.personalized import PersonalizedFedAvg
 from strategies.references import ClientReferences
 
+# How far (relative, L2) an uploaded reference change may be from the one the server
+# derives from the same reply (fedspc-upload = "explicit"): float32 rounding only.
+UPLOAD_TOLERANCE = 1e-5
 # The checkpoint's key prefix of a tracked u_k (CENTRE_RULES): client/<pid>/<key>.
 CLIENT_REFERENCE = "client/"
 
@@ -260,6 +263,29 @@ class FedSPC(PersonalizedFedAvg):
         return train_schema(self.broadcast, self.num_partitions, steps_required=True,
                             reference_change=self.global_reference if explicit else None,
                             clipping_bit=self.reports_clipping_bit)
+
+    def check_reply(self, message: Message) -> str | None:
+        """:class:`PersonalizedFedAvg`'s checks; with ``upload="explicit"`` also that the
+        uploaded reference change is the one its shared update implies (the client's
+        arithmetic is the server's: an honest upload matches bit for bit), so that no
+        client can move its u_k apart from what it sent for theta_s."""
+        reason = super().check_reply(message)
+        if reason is not None or self.upload != "explicit" or self.global_reference is None:
+            return reason
+        uploaded = from_record(message.content.array_records[REFERENCE_CHANGE])
+        final = from_record(message.content.array_records[ARRAYS])
+        steps = int(message.content.metric_records[METRICS][SHARED_STEPS])
+        derived = reference_change(shared_update(final, self.broadcast, self.corrected_keys),
+                                   self.global_reference, steps=steps,
+                                   learning_rate=self.round_learning_rate)
+        gap = sum(float(np.sum(np.square(np.subtract(uploaded[k], derived[k],
+                                                     dtype=np.float64)))) for k in derived)
+        size = sum(float(np.sum(np.square(derived[k], dtype=np.float64))) for k in derived)
+        if not gap <= UPLOAD_TOLERANCE ** 2 * size:
+            return ("the uploaded reference change is not the one its shared update and "
+                    "'shared-steps' imply (relative difference "
+                    f"{np.sqrt(gap / size) if size > 0 else float('inf'):.3g})")
+        return None
 
     def reference_change_of(self, message: Message, factor: float = 1.0) -> ArrayDict:
         """``u_k^{t+1} - u_k^t`` of one accepted reply (uploaded or derived); with the

@@ -24,7 +24,7 @@ from flwr.app import ConfigRecord
 from test_strategies import FakeGrid, f32, record, reply
 
 from clients.attack import attacked_reply
-from fedspc_app.core.config import RunConfig
+from fedspc_app.core.config import RunConfig, resolve_norm_bound
 from fedspc_app.core.protocol import REFERENCE_CHANGE
 from strategies import AggregationRule, FedSPC
 from strategies.aggregation import bounded
@@ -129,14 +129,15 @@ def test_the_norm_bound_scales_updates_above_the_median_norm_to_it():
     out = bounded(updates, origin, ["w"], factors)
     assert [float(np.linalg.norm(u["w"])) for u in out] == pytest.approx([3.5, 1, 2, 3.5])
     assert out[1] is updates[1] and out[0]["b"] is updates[0]["b"]  # the rest untouched
-    for name, bound in (("mean", "median"), ("weighted", "median"), ("median", "none"),
-                        ("mean", "auto")):
+    for name, bound in (("mean", "median"), ("weighted", "median"), ("median", "none")):
         assert AggregationRule(name, norm_bound=bound).bound_factors(
             updates, origin, ["w"]) == [1.0] * 4
-    # "auto" (the run-config's default) is the median norm under a robust rule.
-    assert AggregationRule("median", norm_bound="auto").norm_bound == "median"
-    assert AggregationRule("median", norm_bound="auto").bound_factors(
-        updates, origin, ["w"]) == factors
+    # The run-config's "auto": the median norm under a robust rule when the run
+    # corrects the shared block (FedSPC, SCAFFOLD), none otherwise.
+    assert resolve_norm_bound("auto", "median", True) == "median"
+    assert resolve_norm_bound("auto", "median", False) == "none"
+    assert resolve_norm_bound("auto", "mean", True) == "none"
+    assert resolve_norm_bound("median", "trimmed-mean", False) == "median"
     with pytest.raises(ValueError, match="norm bound"):
         AggregationRule("median", norm_bound="max")
 

@@ -279,7 +279,10 @@ def test_a_checkpoint_from_before_the_key_resumes_with_the_increment(tmp_path):
 def test_a_checkpoint_from_before_the_norm_bound_resumes_without_it(tmp_path):
     assert RunConfig().robust_norm_bound == "auto"
     assert RunConfig(robust_norm_bound="median").norm_bound == "none"  # the mean: never
-    assert RunConfig(aggregation="median").norm_bound == "median"  # auto: a robust rule
+    # auto: the median norm under a robust rule where the run corrects the shared block
+    assert RunConfig(aggregation="median", fedspc=True).norm_bound == "median"
+    assert RunConfig(aggregation="median", method="scaffold").norm_bound == "median"
+    assert RunConfig(aggregation="median").norm_bound == "none"
     for aggregation in ("mean", "median"):
         config = RunConfig(fedspc=True, aggregation=aggregation, robust_norm_bound="none")
         old = {k: v for k, v in fingerprint(config, 4).items() if k != "robust-norm-bound"}
@@ -304,7 +307,7 @@ def test_the_server_centre_sends_each_client_the_u_k_it_keeps_for_it():
     eta, steps = 0.1, 4
     strategy = FedSPC(shared_keys=["w"], corrected_keys=["w"], learning_rate=eta,
                       num_partitions=5, min_train_replies=0.1, reference="auto",
-                      aggregation=AggregationRule("median", norm_bound="auto"))
+                      aggregation=AggregationRule("median", norm_bound="median"))
     assert strategy.reference == "server-centre"
     theta = f32(1.0, -1.0)
     grid = FakeGrid(range(1, 6))

@@ -35,6 +35,7 @@ from hypothesis.extra import numpy as hnp
 from test_strategies import FakeGrid, arrays_of, f32, from_node, instruction, record
 
 from fedspc_app.core import replies
+from fedspc_app.core.correction import reference_change, shared_update
 from fedspc_app.core.dp_mechanism import clip_update
 from fedspc_app.core.replies import (
     MAX_ARRAY_VALUE,
@@ -225,11 +226,17 @@ def test_a_malformed_train_reply_is_dropped_and_the_round_completes(kind):
 @pytest.mark.parametrize("kind", ["plain", "derived", "explicit"])
 def test_the_reply_checks_are_the_same_for_fedspc(kind):
     strategy = server(kind)
-    change = {W: f32(0.1, 0.2, 0.3), B: f32(0.0)} if kind == "explicit" else None
+    # The reply sends the broadcast back (Delta = 0) and u_bar^1 = 0: the change its
+    # update implies is 0.
+    change = {W: f32(0.0, 0.0, 0.0), B: f32(0.0)} if kind == "explicit" else None
     metrics = honest_metrics(3, **{"partition-id": True})
     reason = strategy.check_reply(train_reply(3, metrics=metrics, change=change))
     assert "'partition-id' must be an integer (not a bool)" in reason
     assert strategy.check_reply(train_reply(3, change=change)) is None
+    if kind == "explicit":  # any other change is not the one the update implies
+        reason = strategy.check_reply(train_reply(3, change={W: f32(0.1, 0.2, 0.3),
+                                                             B: f32(0.0)}))
+        assert "is not the one its shared update and 'shared-steps' imply" in reason
 
 
 @pytest.mark.parametrize("change,needle", [
@@ -479,7 +486,11 @@ def honest_train_reply(draw, node: int, explicit: bool, clip: float | None = Non
         arrays = clip_update(arrays, SHARED, CORRECTED, clip)
     metrics = honest_metrics(node, **{"num-examples": images, "shared-steps": steps,
                                       "train-loss": loss})
-    change = {W: draw(VECTOR), B: draw(SCALAR)} if explicit else None
+    change = None
+    if explicit:  # the change its update implies (u_bar^1 = 0, eta 0.1), as a client sends
+        change = reference_change(shared_update(arrays, SHARED, CORRECTED),
+                                  {k: np.zeros_like(SHARED[k]) for k in CORRECTED},
+                                  steps=steps, learning_rate=0.1)
     return train_reply(node, arrays, metrics, change)
 
 
@@ -600,6 +611,10 @@ def test_honest_replies_all_pass_and_aggregate_as_before(case):
     if rule in ("trimmed-mean", "median") and len(honest) <= 2:  # n <= 2f with f = 1
         assert arrays is None and strategy.report.failed
         assert any("n ≤ 2f" in r for r in strategy.report.reasons)
+        return
+    if rule in ("krum", "multi-krum") and len(honest) <= 4:  # n <= 2f + 2 with f = 1
+        assert arrays is None and strategy.report.failed
+        assert any("n > 2f + 2" in r for r in strategy.report.reasons)
         return
     assert strategy.report.accepted == len(honest)
     assert metrics.get("clients", len(honest)) == len(honest)  # (withheld under DP)

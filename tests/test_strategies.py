@@ -775,16 +775,29 @@ def test_explicit_and_derived_uploads_follow_algorithm_1():
     assert np.max(np.abs(derived[1]["u-bar"] - derived[0]["u-bar"])) > 0.1
 
 
-def test_explicit_upload_uses_the_uploaded_change():
-    """In explicit mode u_bar follows what the clients sent, not the server's own
-    derivation: here every uploaded change is Algorithm 1's plus [1, -2]."""
-    expected = _expected_two_rounds()
-    offset = np.array([1.0, -2.0])
-    shifted = [{node: change + offset for node, change in r["changes"].items()}
-               for r in expected]
-    played = _play_two_rounds("explicit", shifted)
-    # Round 1: 3 replies of K = 3 -> u_bar moves by 3/3 * offset more.
-    np.testing.assert_allclose(played[0]["u-bar"], expected[0]["u_bar"] + offset, rtol=1e-5)
+def test_an_uploaded_change_its_update_does_not_imply_is_dropped():
+    """In explicit mode the uploaded change must be the one the reply's own shared
+    update implies (the client's arithmetic is the server's): one that is not, here
+    Algorithm 1's plus [1, -2], would move the client's u_k apart from what it sent
+    for theta_s, and the reply is dropped with the reason."""
+    server, _ = _explicit_round(spc_reply([1.2, 0.6], 2, 1, node=2,
+                                          change={WK: f32(-2.0 + 1.0, 4.0 - 2.0)}))
+    assert any("is not the one its shared update and 'shared-steps' imply" in reason
+               for reason in server.report.reasons)
+    # The same reply with the change its update implies is aggregated.
+    _, arrays = _explicit_round_pair()
+    assert arrays[WK] == pytest.approx([1.2, 0.6])
+
+
+def _explicit_round_pair() -> tuple[FedSPC, dict]:
+    server = fedspc("explicit", num_partitions=2)
+    server.configure_train(1, record({WK: f32(1.0, 1.0), BN: np.array(0)}),
+                           ConfigRecord(), FakeGrid([1, 2]))
+    change = {WK: f32(-2.0, 4.0)}
+    arrays, metrics = server.aggregate_train(
+        1, [spc_reply([1.2, 0.6], 2, 1, node=n, change=change) for n in (1, 2)])
+    assert metrics["clients"] == 2
+    return server, arrays_of(arrays)
 
 
 def _explicit_round(bad: Message) -> tuple[FedSPC, dict]:

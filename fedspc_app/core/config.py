@@ -57,7 +57,7 @@ REFERENCE_UPLOADS = ("derived", "explicit")
 REFERENCE_RULES = ("auto", "increment", "client-centre", "server-centre")
 CENTRE_RULES = ("client-centre", "server-centre")  # the server tracks every u_k
 # A robust rule's bound on each update's norm before it (strategies/aggregation.py).
-NORM_BOUNDS = ("auto", "none", "median")
+NORM_BOUNDS = ("none", "median")  # as a rule applies them; the run-config adds "auto"
 FINETUNE_PARTS = ("all", "head")
 # What a held-out client fine-tunes before it is tested (clients/held_out.py).
 HELD_OUT_PARTS = ("auto", "personal", "all", "none")
@@ -78,14 +78,16 @@ def resolve_reference(reference: str, aggregation: str, dp: bool) -> str:
     return "server-centre"
 
 
-def resolve_norm_bound(norm_bound: str, aggregation: str) -> str:
+def resolve_norm_bound(norm_bound: str, aggregation: str, corrects: bool = False) -> str:
     """``robust-norm-bound`` as it acts: ``none`` under the mean and the weighted mean,
-    which never bound (Algorithm 1); ``auto`` is ``median`` under a robust rule (with
-    FedSPC's client centre it keeps one liar's effect within the rule's alone:
-    docs/robustness.md)."""
+    which never bound (Algorithm 1); ``auto`` is ``median`` under a robust rule when
+    the run corrects the shared block (FedSPC, SCAFFOLD: a scaled liar's server-kept
+    u_k swings further each round otherwise, docs/robustness.md), else ``none``."""
     if aggregation not in ROBUST_AGGREGATIONS:
         return "none"
-    return "median" if norm_bound == "auto" else norm_bound
+    if norm_bound == "auto":
+        return "median" if corrects else "none"
+    return norm_bound
 
 
 def resolved_settings(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -95,8 +97,9 @@ def resolved_settings(values: Mapping[str, Any]) -> dict[str, Any]:
     ``robust-norm-bound`` as it acts (``none`` under the mean)."""
     out = dict(values)
     if "robust-norm-bound" in out:
-        out["robust-norm-bound"] = resolve_norm_bound(str(out["robust-norm-bound"]),
-                                                      str(out.get("aggregation", "mean")))
+        corrects = bool(out.get("fedspc")) or out.get("method") == "scaffold"
+        out["robust-norm-bound"] = resolve_norm_bound(
+            str(out["robust-norm-bound"]), str(out.get("aggregation", "mean")), corrects)
     if "fedspc-reference" in out:
         dp = float(out.get("dp-clipping-norm") or 0.0) > 0
         out["fedspc-reference"] = resolve_reference(
@@ -262,7 +265,12 @@ class RunConfig:
     @property
     def norm_bound(self) -> str:
         """``robust-norm-bound`` as it acts (:func:`resolve_norm_bound`)."""
-        return resolve_norm_bound(self.robust_norm_bound, self.aggregation)
+        from fedspc_app.core.methods import get_method  # the registry imports this module
+        try:
+            corrects = self.fedspc or get_method(self.method).control_variates
+        except (ConfigError, ValueError, ImportError):  # an unknown method: validate says
+            corrects = self.fedspc
+        return resolve_norm_bound(self.robust_norm_bound, self.aggregation, corrects)
 
     @property
     def dp(self) -> bool:
@@ -579,7 +587,7 @@ def validate(config: RunConfig) -> RunConfig:
     _choice("precision", config.precision, PRECISIONS)
     _choice("fedspc-upload", config.fedspc_upload, REFERENCE_UPLOADS)
     _choice("fedspc-reference", config.fedspc_reference, REFERENCE_RULES)
-    _choice("robust-norm-bound", config.robust_norm_bound, NORM_BOUNDS)
+    _choice("robust-norm-bound", config.robust_norm_bound, ("auto", *NORM_BOUNDS))
     _choice("fedbabu-finetune-parts", config.fedbabu_finetune_parts, FINETUNE_PARTS)
     _choice("held-out-parts", config.held_out_parts, HELD_OUT_PARTS)
     _at_least("held-out-clients", config.held_out_clients, 0)
