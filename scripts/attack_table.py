@@ -63,7 +63,11 @@ ADAPTIVE = ("scale x2", "bias 0.1")
 NULL = "honest, other noise"
 # small-steps where the server does not check E_k (the app always does).
 UNCHECKED = "small-steps, E_k unchecked"
-ROWS = (*ATTACKS, NULL, UNCHECKED)
+# The lean from a liar that trains from the u_k it keeps itself, not the one the
+# server sends it (fedspc-reference = "server-centre"): nothing tells the server which
+# one a client trained from.
+OWN = "bias 0.1, own u_k"
+ROWS = (*ATTACKS, NULL, UNCHECKED, OWN)
 RULES = ("median", "trimmed-mean", "multi-krum")
 SEEDS = (0, 1, 2, 3, 4)
 W = "w"
@@ -80,6 +84,7 @@ class Setting:
     attackers: int = 1
     seed: int = 0
     check_counts: bool = True  # the server checks each client's E_k (as the app does)
+    liar_keeps_own: bool = False  # the liars train from their own u_k (OWN)
     norm_bound: str = "auto"  # run-config robust-norm-bound
 
 
@@ -115,6 +120,8 @@ def run(rule: str, fedspc: bool, attack: str, reference: str = "auto",
     """The final theta_s and ||u_bar|| per round (empty without FedSPC)."""
     if attack == UNCHECKED:
         attack, setting = "small-steps", replace(setting, check_counts=False)
+    if attack == OWN:
+        attack, setting = "bias 0.1", replace(setting, liar_keeps_own=True)
     return _run(rule, fedspc, attack, reference, setting)
 
 
@@ -141,7 +148,8 @@ def _run(rule: str, fedspc: bool, attack: str, reference: str,
         for k in range(setting.clients):
             liar = k < setting.attackers and attack == NULL
             records = sent_to[k + 1].content.array_records
-            if fedspc and CLIENT_REFERENCE_RECORD in records:  # the server keeps u_k
+            keeps_own = setting.liar_keeps_own and k < setting.attackers
+            if fedspc and CLIENT_REFERENCE_RECORD in records and not keeps_own:
                 own[k] = from_record(records[CLIENT_REFERENCE_RECORD])[W]  # (client-centre)
             noise = np.random.default_rng([setting.seed, server_round, k, *([1] * liar)])
             local = theta.copy()

@@ -200,7 +200,8 @@ def test_an_unchecked_step_count_moves_u_bar_only_where_the_server_does_not_chec
 def test_the_documented_table():
     # 30 rounds, seeds 0-4, the defaults (docs/robustness.md): every ratio at most 1.5;
     # u_bar within 1.5 times its attack-free norm but for noise under Multi-Krum
-    # (measured 1.97, two seeds of five above 1.5).
+    # (measured 1.97, two seeds of five above 1.5). The liar that keeps its own u_k
+    # (table.OWN) is not in table.ATTACKS: test_a_liar_that_trains_from_its_own_u_k.
     misses = {("noise", "multi-krum")}
     for attack in table.ATTACKS:
         for rule in table.RULES:
@@ -225,3 +226,16 @@ def test_the_bias_attack_adds_the_same_vector_of_norm_s_every_round():
             leans.setdefault(pid, []).append(lean)
         np.testing.assert_allclose(leans[pid][0], leans[pid][1], atol=1e-6)
     assert not np.allclose(leans[0][0], leans[1][0])  # each attacker its own direction
+
+
+@pytest.mark.parametrize("rule", table.RULES)
+def test_a_liar_that_trains_from_its_own_u_k_is_not_stopped(rule):
+    # The server cannot tell which u_k a client trained from. A liar that keeps its
+    # own and adds the lean every round walks the u_k the server keeps for it (the
+    # server integrates what it sends, as under the client centre), and the centre of
+    # the u_k moves a rank: the lean moves theta_s several times as far as without
+    # FedSPC (30 rounds, seeds 0-4: 6.95, 10.72, 28.05; docs/robustness.md). Measured
+    # here so that a change that closes it says so.
+    cell = table.measure_seeds(table.OWN, rule, "auto", FAST, SEEDS)
+    kept = table.measure_seeds("bias 0.1", rule, "auto", FAST, SEEDS)
+    assert cell.ratio > 3 and cell.with_fedspc > 3 * kept.with_fedspc, (cell, kept)
