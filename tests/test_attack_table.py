@@ -1,15 +1,17 @@
 """One lying client against FedSPC and against the same robust rule without FedSPC,
 with the defaults (``fedspc-reference = "auto"``: the server centre, the server
 keeping every u_k and sending each client its own; ``robust-norm-bound = "auto"``:
-each update bounded to the round's median norm, with FedSPC and without), on the small
+with FedSPC each update bounded to the round's median norm, without FedSPC no bound),
+on the small
 simulated federation of scripts/attack_table.py (12 rounds, seeds 0–2 here; the
 server checks each E_k, as the app does): the lie may move the shared block at most
 1.5 times as far with FedSPC as without (the ratio of the means over the seeds), for
 the four named attacks and two adaptive lies (a mild scale, and a small lean repeated
 every round); u_bar's norm at most 1.5 times its attack-free norm, which misses under
 Multi-Krum for sign-flip (a strict xfail with the figure). Why both defaults are
-needed (the client centre alone, the bound alone) is measured here too; the 30-round,
-five-seed table by the slow tests (docs/robustness.md)."""
+needed (the client centre alone, the bound alone) is measured here too, and a liar
+that trains from its own u_k, which they do not stop; the 30-round, five-seed table
+by the slow tests (docs/robustness.md)."""
 
 from __future__ import annotations
 
@@ -89,7 +91,7 @@ def test_the_server_keeping_the_u_k_is_what_stops_a_repeated_lie(rule):
 def test_the_bound_is_what_stops_a_scaled_update():
     # x50 under the median: the server keeping the u_k does not stop a liar whose
     # every reply is 50 times its update (its u_k swings further each round); bounding
-    # each update to the round's median norm does, with FedSPC and without.
+    # each update to the round's median norm (the default with FedSPC) does.
     unbounded = table.measure_seeds("scale x50", "median", "server-centre", CLIENTS_KEEP,
                                     SEEDS)
     bounded_ = table.measure_seeds("scale x50", "median", "server-centre", FAST, SEEDS)
