@@ -199,7 +199,8 @@ def test_fedspc_divides_by_the_runs_clients_not_by_the_connected_nodes():
     messages = list(strategy.configure_train(
         1, ArrayRecord({"w": to_record({"w": np.zeros(2, np.float32)})["w"]}),
         ConfigRecord(), grid))
-    change = np.array([3.0, -6.0], np.float32)
+    # The change its update implies (an explicit upload must be): -Delta / (E eta).
+    change = np.array([-0.5, -0.5], np.float32)
     reply = Message(RecordDict({
         "arrays": to_record({"w": np.array([0.5, 0.5], np.float32)}),
         "reference-change": to_record({"w": change}),
