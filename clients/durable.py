@@ -221,12 +221,13 @@ FINAL_MARKER = "final-state.json"
 personalized parameters only (:func:`keep_final_personal`)."""
 
 
-def keep_final_personal(folder: Path) -> int:
+def keep_final_personal(folder: Path, *, record_size: bool = True) -> int:
     """Strip a finished simulation's client state down to what its models need: each
     client's personalized parameters (and Ditto's personal model), without u_k, so that
     ``python -m fedspc_app.export`` works after a default run; writes
-    :data:`FINAL_MARKER`, by which a resume that would need u_k is refused. Returns the
-    bytes kept."""
+    :data:`FINAL_MARKER`, by which a resume that would need u_k is refused, with the
+    bytes kept unless not ``record_size`` (under differential privacy: only the clients
+    ever drawn have a file, so the total counts them). Returns the bytes kept."""
     folder = Path(folder)
     if not folder.is_dir():
         return 0
@@ -240,6 +241,6 @@ def keep_final_personal(folder: Path) -> int:
         kept += path.stat().st_size
     atomic_write(folder / FINAL_MARKER, json.dumps({
         "contents": "each client's final personalized parameters; no u_k",
-        "bytes": kept}) + "\n")
+        **({"bytes": kept} if record_size else {})}) + "\n")
     sync_folder(folder)
     return kept

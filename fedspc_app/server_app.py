@@ -417,10 +417,12 @@ def train(grid: Grid, checked: CheckedRun) -> None:
              and keeps_client_state(method, config, split))
     recorder.finish(can_extend=config.checkpoint and not strip)
     if strip:
-        kept = keep_final_personal(client_state_folder(config))
-        log(INFO, "Kept each client's final personalized parameters for export (%.1f MB "
-            "in %s); keep-client-state = true keeps u_k too, so that the run can be "
-            "extended", kept / 1e6, client_state_folder(config))
+        # Under privacy no size: only the clients ever drawn have a file, so the sum
+        # over one file's size counts them.
+        kept = keep_final_personal(client_state_folder(config), record_size=not config.dp)
+        log(INFO, "Kept each client's final personalized parameters for export (%sin %s); "
+            "keep-client-state = true keeps u_k too, so that the run can be extended",
+            "" if config.dp else f"{kept / 1e6:.1f} MB ", client_state_folder(config))
 
 
 def privacy_budget(config: RunConfig, recorder: RunRecorder) -> int:
@@ -472,10 +474,15 @@ def not_covered(config: RunConfig) -> list[str]:
                   "unnoised, on the clients' own test data, with personal parts trained in "
                   "the rounds each client was drawn")
     timing = ("timing: a training phase lasts longer the more clients it draws, seen in "
-              f"message, file and log times and W&B's _runtime; {padded}; in a "
-              "simulation, also when each drawn client's message is picked up by a worker")
-    return [evaluation, timing,
-            "the checkpoint and client-state/ (the server's and the clients' own)"]
+              "message, file and log times (a grid's log headers too), W&B's _runtime and "
+              "the day in config.json's segments, and in a grid also in its non-private "
+              "cells' own (file, log, client-state/, TensorBoard and W&B times); "
+              f"{padded}; in a simulation, also when each drawn client's message is "
+              "picked up by a worker")
+    state = ("the checkpoint and client-state/ (the server's and the clients' own; which "
+             "clients have a file there, and the files' sizes and times, tell which were "
+             "ever drawn and when)")
+    return [evaluation, timing, state]
 
 
 def privacy_entry(config: RunConfig, strategy: PersonalizedFedAvg, num_rounds: int,

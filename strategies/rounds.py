@@ -22,6 +22,7 @@ from flwr.supercore import log
 from flwr.supercore.logger import FLOWER_LOGGER
 
 from fedspc_app.core.errors import FedSPCError
+from fedspc_app.core.phase_timing import REPLY_POLL_SECONDS
 from fedspc_app.core.records import reply_metrics
 from fedspc_app.core.replies import TIMING_METRICS
 from fedspc_app.core.startup import worker_startup
@@ -154,12 +155,14 @@ def train_order(strategy, durations: Mapping[int, float]) -> Mapping[int, float]
 
 
 def exchange(grid: Grid, messages: Iterable[Message], *, timeout: float | None,
-             expected: Mapping[int, float] | None = None, pull_interval: float = 0.1,
+             expected: Mapping[int, float] | None = None,
+             pull_interval: float = REPLY_POLL_SECONDS,
              wave_gap: float = 0.15, max_waves: int = 10) -> list[Message]:
     """Send ``messages`` and collect their replies until all came or ``timeout`` passed.
 
     Replies are pulled every ``pull_interval`` seconds (Flower's Grid waits 3 s
-    between pulls in a deployment, which every round paid twice).
+    between pulls in a deployment, which every round paid twice), the last pull at
+    the deadline, not up to an interval after it.
 
     With ``expected`` (a node's seconds for its last message of this kind) the
     messages go out longest first, in up to ``max_waves`` waves ``wave_gap`` seconds
@@ -186,8 +189,20 @@ def exchange(grid: Grid, messages: Iterable[Message], *, timeout: float | None,
         waiting.difference_update(m.metadata.reply_to_message_id for m in pulled)
         if not waiting or (deadline is not None and time.monotonic() >= deadline):
             break
-        time.sleep(pull_interval)
+        time.sleep(pull_interval if deadline is None
+                   else max(min(pull_interval, deadline - time.monotonic()), 0.0))
     return replies
+
+
+def reply_timeout(timeout: float, padding: PhasePadding | None, started: float) -> float:
+    """The seconds a training phase still waits for replies: ``round-timeout``, under
+    padding counted from the phase's start (``started``, the padding's clock before
+    its messages were made), so that making more messages for a larger draw does not
+    push the deadline into the reserve ``round-timeout`` leaves below T
+    (:mod:`fedspc_app.core.phase_timing`)."""
+    if padding is None:
+        return timeout
+    return max(timeout - (padding.clock() - started), 0.0)
 
 
 def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
@@ -222,9 +237,10 @@ def run_rounds(strategy, grid: Grid, *, arrays: ArrayRecord, num_rounds: int,
             started, sent_at = time.perf_counter(), time.time()
             padded_from = padding.clock() if padding is not None else 0.0
             with held_logs(padding is not None):
-                replies = exchange(
-                    grid, strategy.configure_train(server_round, arrays, train_config, grid),
-                    timeout=timeout, expected=train_order(strategy, durations["train"]))
+                messages = strategy.configure_train(server_round, arrays, train_config, grid)
+                replies = exchange(grid, messages,
+                                   timeout=reply_timeout(timeout, padding, padded_from),
+                                   expected=train_order(strategy, durations["train"]))
                 record_durations(durations["train"], replies)
                 aggregated, train_metrics = strategy.aggregate_train(server_round, replies)
                 if train_metrics is not None:

@@ -186,6 +186,16 @@ def test_the_timeout_returns_the_replies_that_came(clock):
     assert 0.5 - 1e-9 <= clock.now < 0.55 + 1e-9
 
 
+def test_the_last_pull_is_at_the_deadline_not_an_interval_after_it(clock):
+    """A padded phase's reserve below dp-phase-seconds need not hold a pull interval
+    beyond round-timeout: the wait before the last pull is cut to the deadline."""
+    grid = ScriptedGrid(clock, silent={2})
+    replies = exchange(grid, [message(1), message(2)], timeout=0.25, pull_interval=0.1)
+    assert len(replies) == 1
+    assert clock.now == pytest.approx(0.25)
+    assert max(clock.sleeps) == pytest.approx(0.1) and min(clock.sleeps) == pytest.approx(0.05)
+
+
 def test_expected_seconds_reads_setup_and_work():
     reply = Message(RecordDict({"metrics": MetricRecord({"setup-seconds": 0.5,
                                                          "work-seconds": 2.0})}),

@@ -206,24 +206,46 @@ def record_grid(grids: list):
     ({**PRIVATE, "local-steps": 2, "dp-phase-seconds": float("inf")},
      "'dp-phase-seconds' must be"),
     ({**PRIVATE, "local-steps": 2, "dp-evaluate": "never"}, "'dp-evaluate' = 'never'"),
+    ({**PRIVATE, "local-steps": 2, "dp-phase-seconds": 0.5, "round-timeout": 0.1},
+     "'dp-phase-seconds' = 0.5 must be above 0.5"),
 ])
 def test_the_draw_hiding_keys_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=message):
         parse_run_config(overrides)
 
 
-@pytest.mark.parametrize("timeout", [3600.0, 30.0])
-def test_a_round_timeout_not_below_the_phase_is_refused(timeout):
-    """A drawn client that never replies holds its phase for round-timeout: at or
-    above dp-phase-seconds, exactly the rounds that drew it would outlast the padding."""
+@pytest.mark.parametrize("phase,timeout", [(30, 3600.0), (30, 30.0), (30, 27.5),
+                                           (2, 1.95), (2, 1.6)])
+def test_a_round_timeout_without_a_reserve_below_the_phase_is_refused(phase, timeout):
+    """A drawn client that never replies holds its phase for round-timeout, then the
+    server polls and aggregates: with round-timeout = T − 0.05 s (accepted before, the
+    poll alone is 0.1 s) an offline target's padded phases overran in exactly its
+    rounds (10 of 10). round-timeout must leave max(T/10, 0.5 s) below T."""
     with pytest.raises(ConfigError) as refused:
-        parse_run_config({**PRIVATE, "local-steps": 2, "dp-phase-seconds": 30,
+        parse_run_config({**PRIVATE, "local-steps": 2, "dp-phase-seconds": phase,
                           "round-timeout": timeout})
     text = str(refused.value)
-    assert f"'round-timeout' = {timeout:g}" in text and "'dp-phase-seconds' = 30" in text
-    assert "aggregation" in text and "below" in text
+    assert f"'round-timeout' = {timeout:g}" in text and f"'dp-phase-seconds' = {phase}" in text
+    assert "aggregation" in text and f"at most {phase - max(phase / 10, 0.5):g}" in text
     # without padding round-timeout is free
     parse_run_config({**PRIVATE, "local-steps": 2, "round-timeout": timeout})
+
+
+@pytest.mark.parametrize("phase,timeout", [(30, 27.0), (2, 1.5), (600, 540)])
+def test_a_round_timeout_leaving_the_reserve_is_accepted(phase, timeout):
+    config = parse_run_config({**PRIVATE, "local-steps": 2, "dp-phase-seconds": phase,
+                               "round-timeout": timeout})
+    assert (config.dp_phase_seconds, config.round_timeout) == (phase, timeout)
+
+
+def test_a_padded_phases_reply_deadline_counts_from_the_phase_start():
+    """Making the messages of a larger draw takes longer: under padding the time it
+    took comes off round-timeout, so the deadline keeps its reserve below T."""
+    padding = PhasePadding(10.0)
+    padding.clock = lambda: 102.5
+    assert rounds.reply_timeout(8.0, padding, 100.0) == pytest.approx(5.5)
+    assert rounds.reply_timeout(8.0, padding, 90.0) == 0.0
+    assert rounds.reply_timeout(8.0, None, 100.0) == 8.0  # unpadded: as configured
 
 
 def test_the_draw_hiding_keys_are_accepted_under_privacy():
@@ -257,3 +279,27 @@ def test_dp_evaluate_final_evaluates_only_after_the_last_round(tmp_path):
     assert all("accuracy" in row for row in rows)
     privacy = json.loads((tmp_path / "every" / "config.json").read_text())["privacy"]
     assert "every evaluated round" in privacy["not-covered"][0]
+
+
+# ------------------------------------------------------------- client-state/
+@pytest.mark.parametrize("private", [True, False])
+def test_the_kept_client_state_is_not_sized_under_privacy(tmp_path, records, private):
+    """Only the clients ever drawn have a file in client-state/: the last line's "Kept
+    … (X MB …)" over one file's size counted them exactly (12 of 12 runs), and with
+    K − 1 colluders told whether the target was ever drawn. Under privacy neither that
+    line nor final-state.json gives a size; without privacy both do. config.json's
+    segments keep the date the run started, not its time."""
+    run(tmp_path, "kept", private, num_rounds=2, checkpoint=True, fraction_train=0.5)
+    folder = tmp_path / "kept" / "client-state"
+    kept = [r.getMessage() for r in records.records if "for export" in r.getMessage()]
+    assert len(kept) == 1 and str(folder) in kept[0]
+    marker = json.loads((folder / "final-state.json").read_text())
+    assert ("MB" in kept[0]) is (not private) and ("bytes" in marker) is (not private)
+    config = json.loads((tmp_path / "kept" / "config.json").read_text())
+    started = config["segments"][0]["started"]  # no time of day
+    assert len(started) == len("2025-01-31")
+    if private:
+        assert not any(ch.isdigit() for ch in kept[0].replace(str(folder), ""))
+        not_covered = config["privacy"]["not-covered"]
+        assert "client-state/" in not_covered[-1] and "ever drawn" in not_covered[-1]
+        assert "the day in config.json's segments" in not_covered[1]

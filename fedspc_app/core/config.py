@@ -20,6 +20,7 @@ from typing import Any
 
 from fedspc_app.core.errors import ConfigError
 from fedspc_app.core.named import check_name, is_named
+from fedspc_app.core.phase_timing import check_round_timeout
 
 DATASETS = ("digits", "cifar10", "cifar100", "tinyimagenet")
 MODELS = ("cnn", "cnn-bn", "resnet18", "resnet34", "vgg11", "vit")
@@ -480,12 +481,7 @@ def _check_privacy(config: RunConfig) -> None:
                               "'final' hide which clients a round drew, a secret only under "
                               "differential privacy: they need 'dp-clipping-norm' > 0")
         return
-    if 0 < config.dp_phase_seconds <= config.round_timeout:
-        raise ConfigError(
-            f"run-config 'round-timeout' = {config.round_timeout:g} must be below "
-            f"'dp-phase-seconds' = {config.dp_phase_seconds:g}, with the time for "
-            "aggregation fitting in between: a drawn client that never replies would "
-            "otherwise make its rounds' training phases outlast the padding")
+    check_round_timeout(config.dp_phase_seconds, config.round_timeout)
     refusals = []
     if config.local_steps == 0:
         refusals.append("'local-steps' > 0 (every client the same number of steps, so "

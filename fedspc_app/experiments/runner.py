@@ -97,9 +97,18 @@ def cell_status(cell: Cell, failures: Mapping[str, Any]) -> str:
     return "failed" if cell.name in failures else "pending"
 
 
+def is_private(cell: Cell) -> bool:
+    """Whether ``cell`` runs under differential privacy (``dp-clipping-norm`` > 0): its
+    time grows with how many clients its rounds drew, so no line or file of the grid
+    gives it (nor an elapsed time it is part of)."""
+    return cell.kind == "federated" and float(cell.run_config.get("dp-clipping-norm")
+                                              or 0.0) > 0
+
+
 def progress_note(cell: Cell) -> str:
-    """How far an unfinished federated cell got (its checkpoint); for rounds recorded
-    without a checkpoint to continue from, that they are run again; or ""."""
+    """How far an unfinished federated cell got (its checkpoint; the time it has run
+    too, but for a private cell); for rounds recorded without a checkpoint to continue
+    from, that they are run again; or ""."""
     if cell.kind == "centralized":
         return ""
     saved = saved_progress(cell.run_dir)
@@ -109,8 +118,8 @@ def progress_note(cell: Cell) -> str:
                 if recorded else "")
     rounds, seconds = saved
     verb = "extends the finished run" if extension(cell) is not None else "resumes"
-    return (f" ({verb} after round {rounds} of {cell.run_config['num-rounds']}, "
-            f"{format_duration(seconds)} run so far)")
+    so_far = "" if is_private(cell) else f", {format_duration(seconds)} run so far"
+    return f" ({verb} after round {rounds} of {cell.run_config['num-rounds']}{so_far})"
 
 
 def _recorded_rounds(cell: Cell) -> int:
@@ -268,8 +277,9 @@ class GridOutcome:
         return not self.failed
 
 
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
+def _now(date_only: bool = False) -> str:
+    now = datetime.now(UTC)
+    return now.date().isoformat() if date_only else now.isoformat(timespec="seconds")
 
 
 def _write_failures(grid: Grid, failures: Mapping[str, Any]) -> None:
@@ -314,7 +324,8 @@ def run_grid(grid: Grid, cells: Sequence[Cell], *,
     ETA) goes to ``echo``; the ETA is the rounds left times the measured round times
     (:func:`time_left`) plus the median time a cell took beyond its rounds (start,
     data, report) for each cell left, when every cell left has measured rounds; else
-    the mean time of the cells run so far.
+    the mean time of the cells run so far. No private cell's time is in any of it
+    (:class:`GridTimes`).
     """
     since = time.time()  # older pause requests are stale
     try:
@@ -340,8 +351,7 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
                                   "--retry-failed reruns them)" if outcome.failed else "")
          + (f"; ≈ {format_duration(measured)} by the rounds measured so far"
             if measured is not None else ""))
-    started = clock()
-    durations: list[float] = []
+    times = GridTimes(clock())
     overheads: list[float] = []
     for index, cell in enumerate(todo, start=1):
         if pause_requested(grid.directory, since):
@@ -360,28 +370,34 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
         cell_started = clock()
         # Under differential privacy a cell's time grows with how many clients its
         # rounds drew: its line gives no time (nor the elapsed time and ETA it moves).
-        private = float(cell.run_config.get("dp-clipping-norm") or 0.0) > 0
+        private = is_private(cell)
         saved = saved_progress(cell.run_dir)
         try:
             summary = runner(cell, log_file)
         except RunPaused as paused:
             outcome.paused, outcome.pause_reason = True, paused.reason
             why = f" ({paused.reason})" if paused.reason else ""
+            times.add(clock() - cell_started, private)
             echo(f"[{done + 1}/{total}] {cell.name} paused after round {paused.after_round}"
-                 f" of {paused.num_rounds}{why}" + ("" if private else
-                                                    f" | elapsed {format_duration(clock() - started)}"))
+                 f" of {paused.num_rounds}{why}"
+                 + ("" if private else f" | {times.elapsed(clock())}"))
             break
         except CELL_ERRORS as error:
             seconds = clock() - cell_started
-            failures[cell.name] = {"error": str(error), "log": str(log_file), "at": _now()}
+            times.add(seconds, private)
+            # The date only: a failed cell's end is the next one's start, a bound on
+            # a private cell's time (config.json's segments keep dates too).
+            failures[cell.name] = {"error": str(error), "log": str(log_file),
+                                   "at": _now(date_only=True)}
             _write_failures(grid, failures)
             outcome.failed[cell.name] = str(log_file)
             result = ("FAILED" if private else f"FAILED after {format_duration(seconds)}"
                       ) + f": {error}"
         else:
             seconds = clock() - cell_started
-            durations.append(seconds)
-            overheads.extend(_start_overhead(seconds, summary, saved))
+            times.add(seconds, private, finished=True)
+            if not private:
+                overheads.extend(_start_overhead(seconds, summary, saved))
             if failures.pop(cell.name, None) is not None:
                 _write_failures(grid, failures)
             outcome.ran.append(cell.name)
@@ -390,18 +406,18 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
                 f", final accuracy {100 * final:.2f}%" if isinstance(final, (int, float))
                 else "")
         done += 1
-        elapsed = clock() - started
-        # Measured rounds predict the rest best; else the cells run so far (failed
-        # cells often stop early, so successful ones predict better).
-        mean = (sum(durations) / len(durations)) if durations else elapsed / index
+        if private:
+            echo(f"[{done}/{total}] {cell.name} {result} (no times under differential "
+                 "privacy)")
+            continue
+        # Measured rounds predict the rest best; else the (non-private) cells run so
+        # far (failed cells often stop early, so successful ones predict better).
         measured = _measured_eta(grid, todo[index:])
         if measured is not None and overheads:  # starting each cell costs time too
             measured += statistics.median(overheads) * (len(todo) - index)
         eta = format_duration(measured if measured is not None
-                              else mean * (len(todo) - index))
-        echo(f"[{done}/{total}] {cell.name} {result}" + (
-            " (no times under differential privacy)" if private else
-            f" | elapsed {format_duration(elapsed)} | ETA {eta}"))
+                              else times.mean() * (len(todo) - index))
+        echo(f"[{done}/{total}] {cell.name} {result} | {times.elapsed(clock())} | ETA {eta}")
     if outcome.failed:
         echo(f"{len(outcome.failed)} cell(s) failed:")
         for name, log in outcome.failed.items():
@@ -414,6 +430,41 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
     elif not outcome.failed:
         echo(f"Grid {grid.name}: all {total} selected cells done.")
     return outcome
+
+
+@dataclass
+class GridTimes:
+    """The times a grid's progress lines give, none of a private cell: its time grows
+    with how many clients its rounds drew, and a later line's elapsed time less the
+    one before and the next cell's own would give it (within a second, 10 of 10).
+    Once a private cell has run, the elapsed time is the non-private cells' own time
+    only, and says so; the ETA's mean is over the non-private cells."""
+
+    started: float
+    own: float = 0.0                 # the non-private cells' seconds (failed ones too)
+    cells: int = 0                   # and how many ran
+    finished: list[float] = field(default_factory=list)  # those that completed
+    private: bool = False            # a private cell has run
+
+    def add(self, seconds: float, private: bool, finished: bool = False) -> None:
+        if private:
+            self.private = True
+            return
+        self.own += seconds
+        self.cells += 1
+        if finished:
+            self.finished.append(seconds)
+
+    def elapsed(self, now: float) -> str:
+        if self.private:
+            return f"elapsed {format_duration(self.own)} in the non-private cells"
+        return f"elapsed {format_duration(now - self.started)}"
+
+    def mean(self) -> float:
+        """A non-private cell's mean time (0 before one ran)."""
+        if self.finished:
+            return sum(self.finished) / len(self.finished)
+        return self.own / self.cells if self.cells else 0.0
 
 
 def print_plan(grid: Grid, cells: Sequence[Cell], echo: Echo = print,

@@ -10,8 +10,9 @@ A result is only worth as much as one can say what produced it. Every run record
   checkout to it through the environment (:data:`ORIGIN_ENV`);
 * ``software``: Python, flwr, torch, numpy and timm versions;
 * ``machine``: the CPU model and core count, and the GPU model when one is used;
-* ``segments``: one entry per start of the run (first round it trained, when, code,
-  software, machine), so a run resumed under other code or on another machine says so.
+* ``segments``: one entry per start of the run (first round it trained, the date it
+  started, code, software, machine), so a run resumed under other code or on another
+  machine says so.
 
 Two runs were made by the same code when their source hashes agree
 (:func:`code_id`): a commit that changes only documentation or results does not
@@ -173,9 +174,13 @@ def describe_code(code: Mapping[str, Any] | None) -> str:
 
 
 def segment(first_round: int, device: str) -> dict[str, Any]:
-    """One start of a run: from ``first_round`` on, this code, software and machine."""
+    """One start of a run: from ``first_round`` on, the UTC date it started (no time of
+    day), this code, software and machine. A time would give a run's time by difference
+    with the next start in a grid, and a private run's time grows with how many clients
+    its rounds drew: from a private cell's own start (correlation 0.72 with its draws),
+    and from a non-private cell's before and after it (0.73), so no run keeps one."""
     return {"first-round": first_round,
-            "started": datetime.now(UTC).isoformat(timespec="seconds"),
+            "started": datetime.now(UTC).date().isoformat(),
             "code": code_version(), "software": software_versions(),
             "machine": machine(device)}
 
