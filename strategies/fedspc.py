@@ -273,11 +273,7 @@ class FedSPC(PersonalizedFedAvg):
         if reason is not None or self.upload != "explicit" or self.global_reference is None:
             return reason
         uploaded = from_record(message.content.array_records[REFERENCE_CHANGE])
-        final = from_record(message.content.array_records[ARRAYS])
-        steps = int(message.content.metric_records[METRICS][SHARED_STEPS])
-        derived = reference_change(shared_update(final, self.broadcast, self.corrected_keys),
-                                   self.global_reference, steps=steps,
-                                   learning_rate=self.round_learning_rate)
+        derived = self.derived_change(message)
         gap = sum(float(np.sum(np.square(np.subtract(uploaded[k], derived[k],
                                                      dtype=np.float64)))) for k in derived)
         size = sum(float(np.sum(np.square(derived[k], dtype=np.float64))) for k in derived)
@@ -298,6 +294,11 @@ class FedSPC(PersonalizedFedAvg):
                 return change
             return {key: (-u_bar + factor * (np.asarray(change[key], np.float64) + u_bar))
                     .astype(np.float32) for key, u_bar in self.global_reference.items()}
+        return self.derived_change(message, factor)
+
+    def derived_change(self, message: Message, factor: float = 1.0) -> ArrayDict:
+        """The change a (checked) reply's own shared update implies, the update scaled
+        by ``factor`` first: ``-u_bar - factor Delta theta_k / (E_k eta)``."""
         final = from_record(message.content.array_records[ARRAYS])
         update = shared_update(final, self.broadcast, self.corrected_keys)
         if factor != 1.0:
