@@ -54,18 +54,32 @@ __all__ = ["AGGREGATIONS", "NORM_BOUNDS", "ROBUST", "AggregationRule", "bounded"
            "krum_choice", "mean_arrays", "robust_reference_sum", "trimmed_mean"]
 
 
+CHUNK = 1 << 14  # entries of a key accumulated at once (the buffers stay in cache)
+
+
 def mean_arrays(updates: Sequence[ArrayDict], weights: Sequence[float]) -> ArrayDict:
     """Weighted mean of ``updates`` key by key, accumulated in float64.
 
     Each result keeps the dtype of the inputs; integer entries (BatchNorm's
-    ``num_batches_tracked``) are rounded rather than turned into floats.
+    ``num_batches_tracked``) are rounded rather than turned into floats. Every entry
+    is ``sum_k float64(update_k) * (w_k / total)`` added in the updates' order, a chunk
+    of a key at a time (the same arithmetic as whole arrays, without their float64
+    copies).
     """
     total = float(sum(weights))
+    shares = [weight / total for weight in weights]
     out: ArrayDict = {}
+    term = np.empty(CHUNK)
     for key, first in updates[0].items():
-        acc = np.zeros(np.shape(first), dtype=np.float64)
-        for update, weight in zip(updates, weights):
-            acc += np.asarray(update[key], dtype=np.float64) * (weight / total)
+        flats = [np.ravel(update[key]) for update in updates]
+        acc = np.zeros(first.size, dtype=np.float64)
+        for start in range(0, first.size, CHUNK):
+            stop = min(first.size, start + CHUNK)
+            part, buffer = acc[start:stop], term[:stop - start]
+            for flat, share in zip(flats, shares):
+                np.multiply(flat[start:stop], share, out=buffer, dtype=np.float64)
+                part += buffer
+        acc = acc.reshape(np.shape(first))
         if np.issubdtype(first.dtype, np.integer):
             out[key] = np.rint(acc).astype(first.dtype)
         else:

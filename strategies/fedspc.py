@@ -91,8 +91,8 @@ from fedspc_app.core.protocol import (
     REFERENCE_UPLOAD,
     SHARED_STEPS,
 )
-from fedspc_app.core.records import ArrayDict, from_record, to_record
-from fedspc_app.core.replies import ReplySchema, train_schema
+from fedspc_app.core.records import ArrayDict, to_record
+from fedspc_app.core.replies import ReplySchema, reply_arrays, train_schema
 from strategies.aggregation import robust_reference_sum
 from strategies.personalized import PersonalizedFedAvg
 from strategies.references import ClientReferences
@@ -272,7 +272,7 @@ class FedSPC(PersonalizedFedAvg):
         reason = super().check_reply(message)
         if reason is not None or self.upload != "explicit" or self.global_reference is None:
             return reason
-        uploaded = from_record(message.content.array_records[REFERENCE_CHANGE])
+        uploaded = reply_arrays(message, REFERENCE_CHANGE)
         derived = self.derived_change(message)
         gap = sum(float(np.sum(np.square(np.subtract(uploaded[k], derived[k],
                                                      dtype=np.float64)))) for k in derived)
@@ -289,7 +289,7 @@ class FedSPC(PersonalizedFedAvg):
         change of the bounded update, ``-u_bar - factor Delta theta_k / (E_k eta)``:
         the u_k the server tracks follow the update the rule saw."""
         if self.upload == "explicit":
-            change = from_record(message.content.array_records[REFERENCE_CHANGE])
+            change = reply_arrays(message, REFERENCE_CHANGE)
             if factor == 1.0:
                 return change
             return {key: (-u_bar + factor * (np.asarray(change[key], np.float64) + u_bar))
@@ -299,7 +299,7 @@ class FedSPC(PersonalizedFedAvg):
     def derived_change(self, message: Message, factor: float = 1.0) -> ArrayDict:
         """The change a (checked) reply's own shared update implies, the update scaled
         by ``factor`` first: ``-u_bar - factor Delta theta_k / (E_k eta)``."""
-        final = from_record(message.content.array_records[ARRAYS])
+        final = reply_arrays(message, ARRAYS)
         update = shared_update(final, self.broadcast, self.corrected_keys)
         if factor != 1.0:
             update = {key: (value * np.float64(factor)).astype(np.float32)

@@ -59,7 +59,13 @@ from fedspc_app.core.protocol import (
     WITHIN_CLIPPING_NORM,
 )
 from fedspc_app.core.records import ArrayDict, from_record, to_record
-from fedspc_app.core.replies import ReplySchema, evaluate_schema, one_line, train_schema
+from fedspc_app.core.replies import (
+    ReplySchema,
+    evaluate_schema,
+    one_line,
+    reply_arrays,
+    train_schema,
+)
 from strategies.aggregation import AggregationRule, mean_arrays
 from strategies.dp_release import Privacy, PrivateRelease, ReleaseError
 from strategies.drift import drift_statistics
@@ -415,7 +421,7 @@ class PersonalizedFedAvg(FedAvg):
         keys = self.update_keys()
         if not keys or not math.isfinite(bound):
             return None
-        norm = update_norm(from_record(message.content.array_records[ARRAYS]),
+        norm = update_norm(reply_arrays(message, ARRAYS),
                            self.broadcast, keys)
         if norm > bound * (1.0 + CLIPPING_TOLERANCE):
             return (f"its update's norm {norm:g} exceeds the clipping norm {bound:g} "
@@ -551,7 +557,7 @@ class PersonalizedFedAvg(FedAvg):
         self, server_round: int, accepted: Sequence[Message]
     ) -> tuple[ArrayRecord, MetricRecord]:
         """Aggregate replies that already passed :meth:`check_reply`."""
-        updates = [from_record(m.content.array_records[ARRAYS]) for m in accepted]
+        updates = [reply_arrays(m, ARRAYS) for m in accepted]
         metrics = [m.content.metric_records[METRICS] for m in accepted]
         for record in metrics:
             self.accepted_rounds[int(record[PARTITION_ID])] = server_round

@@ -50,3 +50,30 @@ def test_weights_move_the_mean_and_opposite_updates_cancel():
                              ["w"])
     assert equal["update-norm"] == 0.0
     assert math.isnan(equal["drift-dispersion"]) and math.isnan(equal["update-cosine"])
+
+
+def test_chunked_figures_agree_with_whole_arrays_in_float64():
+    """Keys longer than a chunk (and a 0-d one), weighted: the chunked computation
+    gives what the whole-array float64 formulas give, to rounding."""
+    from strategies import drift
+
+    rng = np.random.default_rng(3)
+    shapes = {"big": (3, drift.CHUNK + 123), "scalar": (), "small": (5,)}
+    base = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    finals = [{k: (v + rng.standard_normal(v.shape).astype(np.float32) * 0.01 * (i + 1))
+               .astype(np.float32) for k, v in base.items()} for i in range(4)]
+    weights = [1.0, 3.0, 0.5, 2.0]
+    out = drift_statistics(base, finals, weights, list(shapes))
+
+    deltas = [np.concatenate([np.ravel(f[k]).astype(np.float64)
+                              - np.ravel(base[k]).astype(np.float64) for k in shapes])
+              for f in finals]
+    mean = sum(d * (w / sum(weights)) for d, w in zip(deltas, weights))
+    norms = [np.linalg.norm(d) for d in deltas]
+    assert out["update-norm"] == pytest.approx(np.linalg.norm(mean), rel=1e-12)
+    assert out["client-update-norms"] == pytest.approx(norms, rel=1e-12)
+    assert out["client-update-cosines"] == pytest.approx(
+        [float(d @ mean) / (n * np.linalg.norm(mean)) for d, n in zip(deltas, norms)],
+        rel=1e-12)
+    spread = np.mean([np.sum((d - mean) ** 2) for d in deltas]) / np.sum(mean ** 2)
+    assert out["drift-dispersion"] == pytest.approx(spread, rel=1e-9)

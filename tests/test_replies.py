@@ -252,6 +252,44 @@ def test_an_explicit_reference_change_has_u_bars_dtype_shapes_and_bounds(change,
     assert needle in reason
 
 
+def test_the_aggregation_reads_the_arrays_the_check_decoded():
+    """A reply's arrays are decoded once: the check keeps read-only views of the
+    reply's bytes, which the strategy reads (no second decode, no copy); an array no
+    check decoded is decoded when read, and a reply that is gone leaves nothing kept."""
+    import gc
+
+    message = train_reply(3, arrays={W: f32(1.0, 2.0, 3.0), B: f32(0.25),
+                                     NBT: np.array(5, dtype=np.int64)})
+    unchecked = replies.reply_arrays(message, "arrays")
+    assert all(v.flags.writeable for v in unchecked.values())  # decoded now, a copy
+    assert train_schema(SHARED, K).check(message) is None
+    kept = replies.reply_arrays(message, "arrays")
+    assert kept.keys() == unchecked.keys()
+    for key, value in kept.items():
+        np.testing.assert_array_equal(value, unchecked[key])
+        assert value.dtype == SHARED[key].dtype and value.shape == SHARED[key].shape
+        assert not value.flags.writeable  # a view of the message's bytes
+        assert np.shares_memory(value, np.frombuffer(
+            message.content.array_records["arrays"][key].data, dtype=np.uint8))
+    assert replies.reply_arrays(message, "arrays")[W] is kept[W]
+    ids = [id(a) for a in message.content.array_records["arrays"].values()]
+    assert all(i in replies._DECODED for i in ids)
+    del message, kept, unchecked, value
+    gc.collect()
+    assert not any(i in replies._DECODED for i in ids)
+
+
+def test_a_fortran_ordered_upload_decodes_to_its_values():
+    """A .npy header may say Fortran order (a client's np.save of a transposed array):
+    the view is laid out as the header says, the values are those numpy reads."""
+    values = np.arange(6, dtype=np.float32).reshape(2, 3)
+    array = Array(np.asfortranarray(values))
+    decoded, problem = replies.decode_array(array, np.zeros((2, 3), np.float32))
+    assert problem == ""
+    np.testing.assert_array_equal(decoded, values)
+    np.testing.assert_array_equal(decoded, array.numpy())
+
+
 def test_fedspc_needs_a_positive_integer_step_count():
     strategy = server("derived")
     for steps in (0, True, 2.0, [2], None):

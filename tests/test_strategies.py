@@ -202,6 +202,31 @@ def test_mean_arrays_keeps_dtypes_and_rounds_integers():
     np.testing.assert_allclose(out["f"], [0.7 / 3, 7.0 / 3], rtol=1e-6)
 
 
+def test_mean_arrays_is_the_whole_array_formula_bit_for_bit():
+    """Accumulated a chunk at a time, the mean is still sum_k float64(x_k) * (w_k / W)
+    in the updates' order, to the last bit (keys longer than a chunk, 0-d, integer)."""
+    from strategies import aggregation
+
+    rng = np.random.default_rng(7)
+    shapes = {"big": (2, aggregation.CHUNK + 5), "scalar": (), "small": (7,)}
+    for trial in range(5):
+        updates = [{**{k: (rng.standard_normal(s) * 10.0 ** rng.integers(-4, 4))
+                       .astype(np.float32) for k, s in shapes.items()},
+                    NBT: np.array(rng.integers(0, 100), dtype=np.int64)}
+                   for _ in range(int(rng.integers(1, 9)))]
+        weights = list(rng.uniform(0.1, 50.0, len(updates)))
+        total = float(sum(weights))
+        out = mean_arrays(updates, weights)
+        for key, first in updates[0].items():
+            acc = np.zeros(np.shape(first), dtype=np.float64)
+            for update, weight in zip(updates, weights):
+                acc += np.asarray(update[key], dtype=np.float64) * (weight / total)
+            expected = (np.rint(acc).astype(first.dtype)
+                        if np.issubdtype(first.dtype, np.integer) else acc.astype(first.dtype))
+            assert out[key].dtype == expected.dtype and out[key].shape == expected.shape
+            assert out[key].tobytes() == expected.tobytes(), (trial, key)
+
+
 def test_aggregate_train_keeps_dtypes():
     server = strategy()
     replies = [reply(GOOD_A, node=1, **{"num-examples": 1}),

@@ -7,7 +7,9 @@ shapes equal to what the server sent or keeps, values finite and within
 (:class:`Metric`: an integer that is not a bool, or a finite number, within bounds;
 a list of integers of a given length). A reply is checked against its
 :class:`ReplySchema` before anything in it is used, and a reply that fails is dropped
-with one reason. Metrics the server does not read are not checked (nor used).
+with one reason. Metrics the server does not read are not checked (nor used). The check decodes
+each array once; :func:`reply_arrays` gives the strategies those decoded arrays
+(read-only views of the reply's bytes) instead of decoding them again.
 
 The bounds keep every sum the server forms finite and exact: counts are at most
 2^40 (their sum over a million clients still fits in an int64), floating-point
@@ -22,6 +24,7 @@ it names every field).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from io import BytesIO
@@ -52,6 +55,7 @@ from fedspc_app.core.protocol import (
     TRAIN_LOSS,
     WITHIN_CLIPPING_NORM,
 )
+from fedspc_app.core.records import ArrayDict
 
 MAX_COUNT = 2**40  # images, steps, rounds
 MAX_NUMBER = 1e30  # losses and other floating-point metrics
@@ -199,13 +203,41 @@ class Within:
         return None
 
 
+# Arrays the checks decoded, by the id of their Array (with a weak reference that
+# drops the entry when the reply is gone): what reply_arrays hands the aggregation.
+_DECODED: dict[int, tuple[weakref.ref, np.ndarray]] = {}
+
+
+def _keep_decoded(array: Array, value: np.ndarray) -> None:
+    key = id(array)
+    _DECODED[key] = (weakref.ref(array, lambda _, key=key: _DECODED.pop(key, None)), value)
+
+
+def decoded(array: Array) -> np.ndarray:
+    """``array``'s ndarray as a check decoded it, or decoded now (a copy)."""
+    kept = _DECODED.get(id(array))
+    if kept is not None and kept[0]() is array:
+        return kept[1]
+    return array.numpy()
+
+
+def reply_arrays(message: Message, name: str) -> ArrayDict:
+    """The arrays of a checked reply's ArrayRecord ``name`` by key, as its check decoded
+    them: read-only views of the reply's bytes, so a reply is decoded once however
+    often the strategy reads it (an array no check decoded is decoded now)."""
+    record = message.content.array_records[name]
+    return {key: decoded(array) for key, array in record.items()}
+
+
 def decode_array(array: object, reference: np.ndarray) -> tuple[np.ndarray | None, str]:
     """The ndarray an uploaded ``Array`` holds, when it has ``reference``'s dtype and
     shape and only finite entries within ±:data:`MAX_ARRAY_VALUE`; else ``None`` and
     why not.
 
     The .npy header is read before any data: a header that declares another dtype or
-    shape (a huge one, an object array) is refused without allocating anything.
+    shape (a huge one, an object array) is refused without allocating anything. The
+    value is a read-only view of the Array's bytes (no copy), kept for
+    :func:`reply_arrays`.
     """
     if not isinstance(array, Array):
         return None, f"is a {type(array).__name__}, not an Array"
@@ -218,7 +250,7 @@ def decode_array(array: object, reference: np.ndarray) -> tuple[np.ndarray | Non
             return None, f"is in .npy format {version}, not 1.0 or 2.0"
         read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
                        else np.lib.format.read_array_header_2_0)
-        shape, _, dtype = read_header(stream)
+        shape, fortran_order, dtype = read_header(stream)
     except Exception as error:
         return None, f"is not a readable .npy array ({one_line(error, 80)})"
     if dtype != reference.dtype:
@@ -228,13 +260,16 @@ def decode_array(array: object, reference: np.ndarray) -> tuple[np.ndarray | Non
     if len(array.data) - stream.tell() != reference.nbytes:
         return None, (f"holds {len(array.data) - stream.tell()} bytes of data, "
                       f"its shape and dtype {reference.nbytes}")
-    value = array.numpy()
+    value = np.frombuffer(array.data, dtype=dtype, count=reference.size,
+                          offset=stream.tell()).reshape(shape, order="F" if fortran_order
+                                                        else "C")
     if value.size:
         low, high = value.min(), value.max()
         if not (np.isfinite(low) and np.isfinite(high)):
             return None, "holds non-finite values"
         if low < -MAX_ARRAY_VALUE or high > MAX_ARRAY_VALUE:
             return None, f"holds values beyond ±{_bound(MAX_ARRAY_VALUE)}"
+    _keep_decoded(array, value)
     return value, ""
 
 
