@@ -256,7 +256,7 @@ def test_a_rounds_training_messages_share_one_created_at_under_privacy():
     assert len({m.metadata.created_at for m in messages}) == 1
 
 
-def test_a_personal_model_method_is_refused_under_privacy():
+def test_a_method_whose_model_trains_only_when_drawn_is_refused_under_privacy():
     # Ditto evaluates each client's personal model, which changes only when its client
     # is drawn: the published means, less the colluders' own, show another's draws.
     from fedspc_app.core.config import parse_run_config
@@ -265,5 +265,11 @@ def test_a_personal_model_method_is_refused_under_privacy():
     settings = {"dp-clipping-norm": 1.0, "dp-noise-multiplier": 1.0, "local-steps": 5}
     with pytest.raises(ConfigError, match="personal model .* refused"):
         parse_run_config({"method": "ditto", **settings})
+    # A method that shares nothing: no release ever moves a client's model, so it
+    # changes exactly in the rounds its client was drawn (an adversary read the
+    # target's draws in 28 of 28 rounds from the published means).
+    with pytest.raises(ConfigError, match="'local' shares nothing.* refused"):
+        parse_run_config({"method": "local", **settings})
     parse_run_config({"method": "fedrep", **settings})
     parse_run_config({"method": "ditto"})  # without privacy: as before
+    parse_run_config({"method": "local"})

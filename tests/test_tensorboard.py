@@ -16,6 +16,7 @@ import pytest
 from flwr.app import Context, MetricRecord, RecordDict
 from inprocess import InProcessGrid
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 from fedspc_app import client_app, server_app
 from fedspc_app.core.config import parse_run_config
@@ -110,15 +111,20 @@ def records(server_round: int, attempt: int) -> tuple[MetricRecord, MetricRecord
     return train, evaluate
 
 
-def recorder(tmp_path: Path, tensorboard: bool = True) -> RunRecorder:
+PRIVATE = {"dp-clipping-norm": 1.0, "dp-noise-multiplier": 1.0, "local-steps": 5}
+
+
+def recorder(tmp_path: Path, tensorboard: bool = True, dp: bool = False) -> RunRecorder:
     config = parse_run_config({"output-dir": str(tmp_path), "run-name": "run",
-                               "num-rounds": 4, "tensorboard": tensorboard})
+                               "num-rounds": 4, "tensorboard": tensorboard,
+                               **(PRIVATE if dp else {})})
     return RunRecorder(config, echo=lambda _: None)
 
 
-def interrupted(tmp_path: Path, rounds: int, tensorboard: bool = True) -> RunRecorder:
+def interrupted(tmp_path: Path, rounds: int, tensorboard: bool = True,
+                dp: bool = False) -> RunRecorder:
     """A run that recorded ``rounds`` rounds and stopped (no summary)."""
-    first = recorder(tmp_path, tensorboard)
+    first = recorder(tmp_path, tensorboard, dp)
     first.start()
     for server_round in range(1, rounds + 1):
         first.on_round_end(server_round, *records(server_round, attempt=0))
@@ -130,9 +136,10 @@ def interrupted(tmp_path: Path, rounds: int, tensorboard: bool = True) -> RunRec
     return first
 
 
-def resume(tmp_path: Path, earlier: RunRecorder, after: int, rounds: int = 4) -> None:
+def resume(tmp_path: Path, earlier: RunRecorder, after: int, rounds: int = 4,
+           dp: bool = False) -> None:
     """Continue ``earlier`` from its checkpoint after round ``after`` (rerun values)."""
-    resumed = recorder(tmp_path)
+    resumed = recorder(tmp_path, dp=dp)
     checkpoint = earlier.rounds[:after]
     resumed.start(rounds=checkpoint, elapsed=checkpoint[-1]["elapsed-seconds"])
     for server_round in range(after + 1, rounds + 1):
@@ -149,6 +156,25 @@ def test_a_resumed_run_replaces_the_rounds_after_its_checkpoint(tmp_path):
     assert scalars["accuracy/accuracy"] == {1: f32(0.1), 2: f32(0.2), 3: f32(0.31),
                                             4: f32(0.41)}
     assert scalars["client-update-norms/1"][3] == f32(0.62)
+
+
+def test_a_private_runs_events_hold_no_time_and_resume_as_any_run(tmp_path):
+    """Under differential privacy no event file holds a time, in its name or in any
+    event (torch's writer stamps its first events and its name with the time it
+    opened: a run's start, from which a grid's private cells' times follow); a resumed
+    run's file purges the rounds after the checkpoint as torch's does."""
+    first = interrupted(tmp_path, rounds=3, dp=True)
+    resume(tmp_path, first, after=2, dp=True)
+    folder = tmp_path / "run" / FOLDER
+    names = sorted(path.name for path in folder.iterdir())
+    assert names == ["events.out.tfevents.0000000000.private.000000",
+                     "events.out.tfevents.0000000000.private.000001"]
+    events = [event for name in names
+              for event in EventFileLoader(str(folder / name)).Load()]
+    assert len(events) > 8 and {event.wall_time for event in events} == {0.0}
+    scalars = assert_scalars_are_the_metrics(tmp_path / "run")
+    assert scalars["accuracy/accuracy"] == {1: f32(0.1), 2: f32(0.2), 3: f32(0.31),
+                                            4: f32(0.41)}
 
 
 def test_turned_on_at_resume_it_writes_the_checkpoint_rounds_too(tmp_path):

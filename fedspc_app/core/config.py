@@ -515,14 +515,17 @@ def validate(config: RunConfig) -> RunConfig:
             f"run-config 'model' = {config.model!r} is not one of: {', '.join(MODELS)}; "
             f"a model of your own is named 'package.module:function' ({MODEL_EXAMPLE!r})")
     method = get_method(config.method)
-    if config.dp and method.personal_model:
-        # Its evaluation is of each client's personal model, which changes only in the
-        # rounds its client was drawn: the published mean accuracy and loss, less the
-        # colluders' own, show exactly when another client trained.
+    if config.dp and (method.personal_model or method.shared == "none"):
+        # Its evaluation is of a model that changes only in the rounds its client was
+        # drawn (Ditto's personal model; a method that shares nothing, where no release
+        # moves it): the published mean accuracy and loss, less the colluders' own,
+        # show exactly when another client trained.
+        what = ("keeps a personal model" if method.personal_model
+                else "shares nothing, so each client's model")
         raise ConfigError(
-            f"run-config 'method' = {config.method!r} keeps a personal model that trains "
-            "only when its client is drawn, and its evaluation would tell which clients a "
-            "round drew: differential privacy (dp-clipping-norm > 0) is refused with it")
+            f"run-config 'method' = {config.method!r} {what} that trains only when its "
+            "client is drawn, and its evaluation would tell which clients a round drew: "
+            "differential privacy (dp-clipping-norm > 0) is refused with it")
     known = {f.name for f in fields(RunConfig)}
     for phase in method.phases:  # a method of one's own names them in its own code
         for role, name in (("epochs", phase.epochs), ("proximal", phase.proximal)):

@@ -27,9 +27,11 @@ its per-client ones (each its own TensorBoard section, one chart per client):
   ``client-update-cosines/<k>``.
 
 Missing, None and non-finite values are left out. Under differential privacy the rows
-come without what would count a round's clients (``results.DP_WITHHELD``), and every
-event is stamped with wall time 0 rather than when it was written (the time between
-two rounds' events would be the round's time). A resumed run opens its writer with
+come without what would count a round's clients (``results.DP_WITHHELD``), and the
+events hold no time: torch's writer stamps its first events with the time and names
+its file after the second it opened it (a run's start, from which a grid's private
+cells' times follow), so a private run writes through :class:`PrivateEventFile`
+(every event at wall time 0, files named by their order). A resumed run opens its writer with
 ``purge_step`` = the first round it writes, so that TensorBoard drops what an
 interrupted run wrote for that round and later ones; a new run clears the folder.
 """
@@ -82,6 +84,48 @@ def summary_writer_class() -> type:
             f"tensorboard = true needs the tensorboard package: {INSTALL_HINT}; or set "
             f"tensorboard = false ({one_line(error)})") from None
     return SummaryWriter
+
+
+class PrivateEventFile:
+    """An event file with no time in it: its events are stamped with wall time 0 and it
+    is named ``events.out.tfevents.0000000000.private.<n>``, n its order among the
+    folder's event files (TensorBoard reads them in name order). The part of torch's
+    ``SummaryWriter`` a run uses (``add_scalar``, ``flush``, ``close``), on
+    TensorBoard's own record writer and protos; like the writer, it opens with
+    ``purge_step``: TensorBoard then drops what earlier files hold for that round and
+    later ones."""
+
+    def __init__(self, log_dir: str, purge_step: int) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        folder = Path(log_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        order = len(list(folder.glob("events.out.tfevents.*")))
+        self.path = folder / f"events.out.tfevents.{0:010d}.private.{order:06d}"
+        self._event = Event
+        self._records = RecordWriter(open(self.path, "wb"))  # noqa: SIM115 (closed in close)
+        self._write(Event(wall_time=0.0, step=purge_step, file_version="brain.Event:2"))
+        self._write(Event(wall_time=0.0, step=purge_step,
+                          session_log=SessionLog(status=SessionLog.START)))
+        self.flush()
+
+    def _write(self, event: Any) -> None:
+        self._records.write(event.SerializeToString())
+
+    def add_scalar(self, name: str, value: float, global_step: int,
+                   walltime: float | None = None) -> None:
+        from torch.utils.tensorboard.summary import scalar
+
+        self._write(self._event(wall_time=0.0, step=global_step,
+                                summary=scalar(name, value)))
+
+    def flush(self) -> None:
+        self._records.flush()
+
+    def close(self) -> None:
+        if not self._records.closed:
+            self._records.close()
 
 
 def check_tensorboard(config: RunConfig) -> None:
@@ -146,7 +190,8 @@ class RoundScalars:
             shutil.rmtree(folder, ignore_errors=True)
         backfill = not any(folder.glob("events.out.tfevents.*"))
         first = int(rounds[-1]["round"]) + 1 if rounds else 1
-        self.writer = summary_writer_class()(log_dir=str(folder), purge_step=first)
+        writer = PrivateEventFile if config.dp else summary_writer_class()
+        self.writer = writer(log_dir=str(folder), purge_step=first)
         if backfill:
             for row in rounds:
                 self.write(row)
