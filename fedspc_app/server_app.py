@@ -41,7 +41,7 @@ from fedspc_app.data.datasets import ImageDataset
 from fedspc_app.data.partition_files import save_partition
 from fedspc_app.data.run_data import DatasetShape, load_partition
 from fedspc_app.models.run_model import make_model, state_arrays
-from fedspc_app.models.split import ParameterSplit, parameter_split
+from fedspc_app.models.split import ParameterSplit, check_private_release, parameter_split
 from fedspc_app.runs import dp_account
 from fedspc_app.runs.checkpoint import TRAINED, RoundRecords, fingerprint, resume_point
 from fedspc_app.runs.pause import RunPaused, clear_pause
@@ -265,6 +265,8 @@ def check_run(grid: Grid, context: Context) -> CheckedRun:
     split = parameter_split(model, method, shared_keys=config.shared_keys,
                             personal_keys=config.personal_keys,
                             local_buffers=config.dp)
+    if config.dp:
+        check_private_release(model, split, shape.in_chans, shape.image_size, config.seed)
     check_server_evaluation(config, split, dataset)
     return CheckedRun(config, method, deployment, num_clients, shape, sizes, partition,
                       model, split, warming, dataset, nodes)

@@ -106,6 +106,18 @@ class Privacy:
                 self.max_clipping_factor * self.clipping_norm)
 
 
+def unmoved(released: ArrayDict, broadcast: ArrayDict, keys: Sequence[str],
+            cause: str) -> None:
+    """Raise :class:`ReleaseError` when a noised release left every entry of ``keys``
+    as broadcast (float32 rounding swallowed the update and the noise: a C or a
+    server learning rate too small). The clients' models would then change only in
+    the rounds they were drawn, which their evaluation would show."""
+    if keys and all(np.array_equal(released[key], broadcast[key]) for key in keys):
+        raise ReleaseError(f"the release at {cause} leaves the shared block exactly as it "
+                           "was (too small for float32): the clients' evaluation would "
+                           "tell which of them trained")
+
+
 class ReleaseError(FedSPCError):
     """A round's release would not be the mechanism's (no noise where σ > 0, or a
     value that is not finite): the round fails and releases nothing."""
@@ -169,6 +181,8 @@ class PrivateRelease:
         if not all(np.isfinite(released[key]).all() for key in keys):
             raise ReleaseError(f"the release at clipping norm {norm!r} is not finite: "
                                "nothing is released")
+        if self.update_multiplier > 0:
+            unmoved(released, broadcast, keys, f"clipping norm {norm!r}")
         self.round_clipping_norm = norm
         if privacy.adaptive:
             self.unclipped_fraction = noised_fraction(

@@ -67,7 +67,7 @@ from fedspc_app.core.replies import (
     train_schema,
 )
 from strategies.aggregation import AggregationRule, mean_arrays
-from strategies.dp_release import Privacy, PrivateRelease, ReleaseError
+from strategies.dp_release import Privacy, PrivateRelease, ReleaseError, unmoved
 from strategies.drift import drift_statistics
 from strategies.sampling import PartitionSampler
 from strategies.server_optimizer import ServerOptimizer
@@ -547,10 +547,12 @@ class PersonalizedFedAvg(FedAvg):
         not be the mechanism's (:class:`ReleaseError`) fails the round instead, with
         no reply accepted and C_t as it was."""
         before = list(self.accepted_rounds)
+        clipping_norm = self.release.clipping_norm
         try:
             return self.aggregate_accepted(server_round, accepted)
         except ReleaseError as error:
             self.accepted_rounds = before
+            self.release.clipping_norm = clipping_norm
             return self.fail(server_round, str(error))
 
     def aggregate_accepted(
@@ -581,6 +583,8 @@ class PersonalizedFedAvg(FedAvg):
             arrays = mean_arrays(updates, weights)
         if self.server_optimizer is not None and self.broadcast is not None:
             arrays = self.server_optimizer.step(server_round, self.broadcast, arrays)
+            if self.privacy is not None:
+                unmoved(arrays, self.broadcast, keys, "the server optimizer's step")
         drift = {}
         if self.privacy is not None and keys:
             # Only the released aggregate's own norm: per-client figures would leak.

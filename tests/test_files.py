@@ -44,9 +44,12 @@ def test_a_locked_folder_refuses_a_second_holder_and_names_the_first(tmp_path):
         with pytest.raises(BusyError, match=rf"runs/a is in use by run 'a' \(pid {os.getpid()} "), \
                 folder_lock(folder, "run 'a' again", pause=0.01):
             pass  # pragma: no cover - not reached
+        assert lock_holder(folder)["what"] == "run 'a'"  # the refused one erased nothing
         with folder_lock(tmp_path / "runs" / "b", "run 'b'"):  # another folder is free
             pass
     assert lock_holder(folder) is None
+    # Released, the file keeps no holder: its start time would time a private run.
+    assert lock_path(folder).read_bytes() == b""
     with folder_lock(folder, "run 'a', later"):  # released: the next run takes it
         assert lock_holder(folder)["what"] == "run 'a', later"
 

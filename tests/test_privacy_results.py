@@ -273,3 +273,81 @@ def test_a_method_whose_model_trains_only_when_drawn_is_refused_under_privacy():
     parse_run_config({"method": "fedrep", **settings})
     parse_run_config({"method": "ditto"})  # without privacy: as before
     parse_run_config({"method": "local"})
+
+
+@pytest.mark.usefixtures("task_identity")
+@pytest.mark.parametrize("how", ["tiny clipping norm", "tiny server learning rate"])
+def test_a_release_that_moves_nothing_fails_the_round(how, monkeypatch):
+    """C = 1e-30, or a server step of 1e-30, against weights near 1: float32 keeps the
+    broadcast exactly, so a client's model would change only when drawn (its
+    evaluation would say when: an adversary read 28 of 28 and 21 of 21 draws). The
+    round fails instead, nothing accepted; a usable C releases as before."""
+    from strategies import ServerOptimizer
+
+    def server(clip: float, optimizer=None):
+        return PersonalizedFedAvg(shared_keys=[W], num_partitions=4, drift_keys=[W],
+                                  server_optimizer=optimizer,
+                                  privacy=Privacy(clip, 1.0, steps=4, clip_on_server=True))
+
+    def round_of(strategy):
+        strategy.configure_train(1, record({W: f32(1.0, -2.0)}), ConfigRecord(),
+                                 FakeGrid([1, 2, 3, 4]))
+        return strategy.aggregate_train(1, [reply({W: f32(1.1, -1.9)}, node=n,
+                                                  **{"num-examples": 5})
+                                            for n in range(1, 5)])
+
+    tiny = (server(1e-30) if how == "tiny clipping norm" else
+            server(1.0, ServerOptimizer("fedavgm", [W], learning_rate=1e-30)))
+    arrays, _ = round_of(tiny)
+    assert arrays is None and tiny.report.failed and tiny.report.accepted == 0
+    assert "leaves the shared block exactly as it was" in tiny.report.reasons[-1]
+    assert tiny.accepted_rounds == [0, 0, 0, 0]  # no client keeps what it trained
+    arrays, _ = round_of(server(1.0))
+    assert arrays is not None
+
+
+def buffer_probe(unused: bool):
+    """A model of one's own: frozen random features (a buffer) and a linear head; with
+    ``unused`` also a trainable layer in the body that the forward pass never uses."""
+    import torch
+    from torch import nn
+
+    class Probe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("features", torch.randn(3 * 8 * 8, 6))
+            if unused:
+                self.spare = nn.Linear(4, 4)
+            self.fc = nn.Linear(6, 5)
+
+        def forward(self, x):
+            return self.fc(x.flatten(1) @ self.features)
+
+        def get_classifier(self):
+            return self.fc
+
+    return Probe()
+
+
+@pytest.mark.parametrize("unused,needle", [(False, "no trainable parameter"),
+                                           (True, "reaches the model's output")])
+def test_dp_is_refused_where_the_release_cannot_move_the_evaluated_model(unused, needle):
+    """FedPer on a frozen-features probe shares only a buffer (kept local under DP) or
+    a parameter the model never uses: nothing released moves what is evaluated, so an
+    adversary read the target's draws in 28 of 28 rounds. Refused before round 1; a
+    model whose shared body is used passes."""
+    from fedspc_app.core.errors import ConfigError
+    from fedspc_app.core.methods import get_method
+    from fedspc_app.models.networks import build_model
+    from fedspc_app.models.split import check_private_release, parameter_split
+
+    fedper = get_method("fedper")
+    probe = buffer_probe(unused)
+    split = parameter_split(probe, fedper, local_buffers=True)
+    with pytest.raises(ConfigError, match=needle):
+        check_private_release(probe, split, 3, 8)
+    assert all(p.grad is None for p in probe.parameters()) and probe.training
+    cnn = build_model("cnn", num_classes=10, seed=0)
+    before = {k: v.clone() for k, v in cnn.state_dict().items()}
+    check_private_release(cnn, parameter_split(cnn, fedper, local_buffers=True), 3, 32)
+    assert all((before[k] == v).all() for k, v in cnn.state_dict().items())

@@ -79,6 +79,9 @@ def folder_lock(folder: str | os.PathLike[str], what: str, *, attempts: int = 3,
     leaves its folder locked. Works between processes on one machine (and on
     filesystems that support ``flock``).
 
+    The file says who holds the lock, and since when, while it is held; it is left
+    empty when released (a kept start time would time a private run).
+
     Raises
     ------
     BusyError
@@ -89,6 +92,7 @@ def folder_lock(folder: str | os.PathLike[str], what: str, *, attempts: int = 3,
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock_path(folder), os.O_RDWR | os.O_CREAT, 0o666)
+    held = False
     try:
         for attempt in range(attempts):
             try:
@@ -105,8 +109,11 @@ def folder_lock(folder: str | os.PathLike[str], what: str, *, attempts: int = 3,
         os.pwrite(fd, json.dumps({
             "what": what, "pid": os.getpid(), "host": socket.gethostname(),
             "since": datetime.now(UTC).isoformat(timespec="seconds")}).encode(), 0)
+        held = True
         yield
     finally:
+        if held:  # the holder's record is for while it holds: a kept file has no time
+            os.ftruncate(fd, 0)
         os.close(fd)  # releases the lock
 
 

@@ -146,3 +146,42 @@ def _buffers_local(split: ParameterSplit, local_buffers: bool) -> ParameterSplit
         split, shared=tuple(k for k in split.shared if k not in buffers),
         personal=tuple(k for k in (*split.personal, *split.shared) if k not in split.shared
                        or k in buffers))
+
+
+def check_private_release(model: nn.Module, split: ParameterSplit, in_chans: int,
+                          image_size: int, seed: int = 0) -> None:
+    """Under differential privacy, raise :class:`ConfigError` unless the release can
+    move what the clients evaluate: at least one released (shared trainable)
+    parameter, and at least one of them reaching the model's output (a gradient of
+    one forward pass on random images, in eval mode, so no statistic changes). Were
+    nothing released that the model uses, a client's model would change only in the
+    rounds it was drawn, and its evaluation, published every round, would say which.
+    """
+    released = [key for key in split.corrected if key in split.parameters]
+    if not released:
+        raise ConfigError(
+            "differential privacy: the shared block holds no trainable parameter to "
+            "release (the model's shared part is buffers only), so each client's model "
+            "would change only when it is drawn and its evaluation would tell when; "
+            "share a trainable block or turn dp-clipping-norm off")
+    import torch
+
+    training = model.training
+    model.eval()
+    try:
+        generator = torch.Generator().manual_seed(seed)
+        images = torch.randn((2, in_chans, image_size, image_size), generator=generator)
+        model(images).float().square().sum().backward()
+        parameters = dict(model.named_parameters())
+        reached = any(parameters[key].grad is not None
+                      and bool(torch.any(parameters[key].grad != 0)) for key in released)
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(training)
+    if not reached:
+        raise ConfigError(
+            "differential privacy: none of the released parameters "
+            f"({', '.join(released[:3])}{', …' if len(released) > 3 else ''}) reaches the "
+            "model's output, so the release never moves what the clients evaluate and "
+            "their evaluation would tell when each was drawn; share parameters the "
+            "model uses or turn dp-clipping-norm off")
