@@ -106,6 +106,11 @@ class Privacy:
                 self.max_clipping_factor * self.clipping_norm)
 
 
+class ReleaseError(FedSPCError):
+    """A round's release would not be the mechanism's (no noise where σ > 0, a value
+    that is not finite, or nothing moved): the round fails and releases nothing."""
+
+
 def unmoved(released: ArrayDict, broadcast: ArrayDict, keys: Sequence[str],
             cause: str) -> None:
     """Raise :class:`ReleaseError` when a noised release left every entry of ``keys``
@@ -116,11 +121,6 @@ def unmoved(released: ArrayDict, broadcast: ArrayDict, keys: Sequence[str],
         raise ReleaseError(f"the release at {cause} leaves the shared block exactly as it "
                            "was (too small for float32): the clients' evaluation would "
                            "tell which of them trained")
-
-
-class ReleaseError(FedSPCError):
-    """A round's release would not be the mechanism's (no noise where σ > 0, or a
-    value that is not finite): the round fails and releases nothing."""
 
 
 class PrivateRelease:
