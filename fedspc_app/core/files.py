@@ -80,7 +80,8 @@ def folder_lock(folder: str | os.PathLike[str], what: str, *, attempts: int = 3,
     filesystems that support ``flock``).
 
     The file says who holds the lock, and since when, while it is held; it is left
-    empty when released (a kept start time would time a private run).
+    empty when released (its text kept the run's start; its file times remain, as
+    every file's do: docs/privacy.md).
 
     Raises
     ------
@@ -112,7 +113,7 @@ def folder_lock(folder: str | os.PathLike[str], what: str, *, attempts: int = 3,
         held = True
         yield
     finally:
-        if held:  # the holder's record is for while it holds: a kept file has no time
+        if held:  # the holder's record is for while it holds (no start time kept in it)
             os.ftruncate(fd, 0)
         os.close(fd)  # releases the lock
 
