@@ -113,14 +113,18 @@ class ReleaseError(FedSPCError):
 
 def unmoved(released: ArrayDict, broadcast: ArrayDict, keys: Sequence[str],
             cause: str) -> None:
-    """Raise :class:`ReleaseError` when a noised release left every entry of ``keys``
+    """Raise :class:`ReleaseError` when a noised release left most entries of ``keys``
     as broadcast (float32 rounding swallowed the update and the noise: a C or a
-    server learning rate too small). The clients' models would then change only in
-    the rounds they were drawn, which their evaluation would show."""
-    if keys and all(np.array_equal(released[key], broadcast[key]) for key in keys):
-        raise ReleaseError(f"the release at {cause} leaves the shared block exactly as it "
-                           "was (too small for float32): the clients' evaluation would "
-                           "tell which of them trained")
+    server learning rate too small; at any usable C the noise moves every entry). The
+    clients' models would then change only in the rounds they were drawn, which their
+    evaluation would show; a few entries that start at 0 would still move."""
+    total = sum(int(np.size(broadcast[key])) for key in keys)
+    moved = sum(int(np.count_nonzero(released[key] != broadcast[key])) for key in keys)
+    if total and 2 * moved < total:
+        raise ReleaseError(f"the release at {cause} leaves {total - moved} of the shared "
+                           f"block's {total} released entries exactly as they were (too "
+                           "small for float32): the clients' evaluation would tell which "
+                           "of them trained")
 
 
 class PrivateRelease:

@@ -583,7 +583,7 @@ class PersonalizedFedAvg(FedAvg):
             arrays = mean_arrays(updates, weights)
         if self.server_optimizer is not None and self.broadcast is not None:
             arrays = self.server_optimizer.step(server_round, self.broadcast, arrays)
-            if self.privacy is not None:
+            if self.privacy is not None and self.privacy.noise_multiplier > 0:
                 unmoved(arrays, self.broadcast, keys, "the server optimizer's step")
         drift = {}
         if self.privacy is not None and keys:
