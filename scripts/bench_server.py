@@ -8,8 +8,8 @@ builds it for the method) ``--clients`` replies of the model's shared block a ro
 ``--rounds`` rounds, and times ``aggregate_train`` (which checks every reply, decodes
 it, averages, computes the drift diagnostics and, with FedSPC, updates u_bar) and
 its parts (the schema check of every reply, the mean, the drift diagnostics, each
-alone on the same replies), each in CPU and wall milliseconds per round, median and range over the
-rounds after the first.
+alone on the same replies), each in CPU and wall milliseconds per round, median and
+range over the rounds after the first.
 
     python scripts/bench_server.py                              # cnn: fedavg, fedrep +fedspc
     python scripts/bench_server.py --model resnet34 --width 0.25 --methods fedrep

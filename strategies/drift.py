@@ -25,8 +25,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from fedspc_app.core.records import ArrayDict
-
-CHUNK = 1 << 14  # entries of a key taken at once: the clients' deltas stay in cache
+from strategies.aggregation import CHUNK  # entries of a key taken at once
 
 
 def drift_statistics(broadcast: Mapping[str, np.ndarray], finals: Sequence[ArrayDict],

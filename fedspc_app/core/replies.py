@@ -7,9 +7,9 @@ shapes equal to what the server sent or keeps, values finite and within
 (:class:`Metric`: an integer that is not a bool, or a finite number, within bounds;
 a list of integers of a given length). A reply is checked against its
 :class:`ReplySchema` before anything in it is used, and a reply that fails is dropped
-with one reason. Metrics the server does not read are not checked (nor used). The check decodes
-each array once; :func:`reply_arrays` gives the strategies those decoded arrays
-(read-only views of the reply's bytes) instead of decoding them again.
+with one reason. Metrics the server does not read are not checked (nor used). The
+check decodes each array once; :func:`reply_arrays` gives the strategies those
+decoded arrays (read-only views of the reply's bytes) instead of decoding them again.
 
 The bounds keep every sum the server forms finite and exact: counts are at most
 2^40 (their sum over a million clients still fits in an int64), floating-point

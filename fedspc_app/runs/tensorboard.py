@@ -31,9 +31,9 @@ come without what would count a round's clients (``results.DP_WITHHELD``), and t
 events hold no time: torch's writer stamps its first events with the time and names
 its file after the second it opened it (a run's start, from which a grid's private
 cells' times follow), so a private run writes through :class:`PrivateEventFile`
-(every event at wall time 0, files named by their order). A resumed run opens its writer with
-``purge_step`` = the first round it writes, so that TensorBoard drops what an
-interrupted run wrote for that round and later ones; a new run clears the folder.
+(every event at wall time 0, files named by their order). A resumed run opens its
+writer with ``purge_step`` = the first round it writes, so that TensorBoard drops what
+an interrupted run wrote for that round and later ones; a new run clears the folder.
 """
 
 from __future__ import annotations
