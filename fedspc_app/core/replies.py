@@ -253,6 +253,8 @@ def decode_array(array: object, reference: np.ndarray) -> tuple[np.ndarray | Non
         shape, fortran_order, dtype = read_header(stream)
     except Exception as error:
         return None, f"is not a readable .npy array ({one_line(error, 80)})"
+    if not all(type(size) is int for size in shape):  # (True,) == (1,) to numpy's parser
+        return None, f"has a shape of non-integer sizes {shown(shape)}"
     if dtype != reference.dtype:
         return None, f"has dtype {dtype}, expected {reference.dtype}"
     if tuple(shape) != reference.shape:
