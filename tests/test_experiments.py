@@ -321,6 +321,15 @@ def test_a_private_cell_s_line_gives_no_times(tmp_path):
     assert "done in 0:01:00" in plain and "| elapsed" in plain
 
 
+def test_a_cell_s_line_names_its_local_steps_when_it_trains_by_steps(tmp_path):
+    grid = grid_of({"axes": {"method": ["fedper"], "setting": {
+        "steps": {"local-steps": 5}, "epochs": {"local-epochs": 2}}}}, tmp_path)
+    lines = {cell.name: runner.describe(cell) for cell in grid.cells}
+    assert "| 10 rounds, 5 local steps, lr 0.02," in lines["fedper-steps"]
+    assert "E=" not in lines["fedper-steps"]
+    assert "| 10 rounds, E=2, lr 0.02," in lines["fedper-epochs"]
+
+
 def test_runner_skips_finished_cells_and_reports_progress(tmp_path):
     grid = small_grid(tmp_path)
     finish(grid.cells[1])

@@ -140,8 +140,10 @@ def describe(cell: Cell) -> str:
     split = (f"classes-per-client={rc['classes-per-client']}"
              if rc.get("partition") == "classes" else f"alpha={float(rc['alpha'])!r}")
     return (f"{what} {label} {split} seed={rc['seed']} | "
-            f"{rc['num-rounds']} rounds, E={rc['local-epochs']}, "
-            f"lr {rc['learning-rate']:g}, batch {rc['batch-size']}"
+            f"{rc['num-rounds']} rounds, "
+            + (f"{rc['local-steps']} local steps, " if rc.get("local-steps") else
+               f"E={rc['local-epochs']}, ")
+            + f"lr {rc['learning-rate']:g}, batch {rc['batch-size']}"
             + (f", {rc['held-out-clients']} held out" if rc.get("held-out-clients") else ""))
 
 
