@@ -7,6 +7,7 @@ would otherwise break them silently.
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -42,13 +43,61 @@ def test_the_regime_studys_recomputation_runs_on_the_committed_metrics():
     assert "HIT" in scored or "MISS" in scored
 
 
-def _recompute():
-    """The regime study's recompute.py as a module (it is a script, not a package)."""
-    path = ROOT / "docs/results/regime-study/recompute.py"
-    spec = importlib.util.spec_from_file_location("recompute", path)
+def _script(relative: str):
+    """A results script as a module (it is a script, not a package)."""
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _recompute():
+    """The regime study's recompute.py as a module (it is a script, not a package)."""
+    return _script("docs/results/regime-study/recompute.py")
+
+
+def _write_run(folder: Path, accuracies: dict, complete: bool = True, **last) -> None:
+    """A run folder whose metrics.json has these accuracies (fractions) by round."""
+    folder.mkdir(parents=True)
+    rounds = [{"round": r, "accuracy": a, "dp-epsilon": r / 10} for r, a in accuracies.items()]
+    rounds[-1].update(last)
+    (folder / "metrics.json").write_text(json.dumps(
+        {"rounds": rounds, "summary": {"complete": complete}}))
+
+
+def test_the_dp_grid_scores_its_predictions_by_the_rules_it_states(tmp_path):
+    score = _script("docs/results/cpu-cifar100-cnn-dp-cross-device/score.py")
+    assert set(score.Scores(tmp_path).predictions()) == {"D1", "D2", "D3", "D4", "D5", "goal"}
+    assert {ok for _, ok in score.Scores(tmp_path).predictions().values()} == {None}
+    final = {  # points at the last round: no DP, DP, DP with u_bar smoothed
+        ("fedavg", False): (30.0, 10.0, None), ("fedavg", True): (31.0, 9.0, 9.5),
+        ("fedrep", False): (40.0, 30.0, None), ("fedrep", True): (39.0, 28.0, 29.5),
+        ("lgfedavg", False): (35.0, 33.0, None), ("lgfedavg", True): (36.0, 33.5, 33.2)}
+    grid = tmp_path / score.GRID
+    for (method, fedspc), accs in final.items():
+        for setting, acc in zip(score.SETTINGS, accs):
+            if acc is not None:
+                _write_run(grid / score.name(method, fedspc, setting),
+                           {10: 0.05, 100: acc / 100})
+    sweep = {"fedrep": (20.0, 25.0, 26.0, 24.0, 18.0, 25.5),
+             "lgfedavg": (22.0, 23.0, 24.0, 26.0, 27.0, 25.0)}
+    for method, accs in sweep.items():
+        for c, acc in zip((*score.FIXED_C, "adaptive"), accs):
+            _write_run(tmp_path / score.SWEEP / f"{method}-{c}", {30: acc / 100},
+                       **{"dp-clipping-norm": 0.4})
+    got = {pid: ok for pid, (_, ok) in score.Scores(tmp_path).predictions().items()}
+    # D1: losses 20 / 10 / 2; D2: 10 < 30, 33; D3: LG-FedAvg+FedSPC is above its base;
+    # D4: LG-FedAvg's smoothed run is below its plain FedSPC run; goal: 29.5 < 30;
+    # D5: LG-FedAvg's adaptive run is 2 points below its best fixed C.
+    assert got == {"D1": True, "D2": True, "D3": False, "D4": False, "goal": False,
+                   "D5": False}
+    text = score.Scores(tmp_path).report()
+    assert "| FedRep+FedSPC | 39.00 | 28.00 | 29.50 | 11.00 | 10.00 |" in text
+    assert "| LG-FedAvg | 22.00 | 23.00 | 24.00 | 26.00 | 27.00 | 25.00 | 0.400 |" in text
+    # An unfinished run does not count.
+    _write_run(grid / "x", {10: 0.5}, complete=False)
+    assert score.load_run(grid / "x") is None
 
 
 def test_the_readmes_results_table_is_the_one_the_runs_give():
