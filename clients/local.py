@@ -23,7 +23,13 @@ from torch.nn import functional as F
 
 from clients.state import ClientState
 from fedspc_app.core.config import RunConfig
-from fedspc_app.core.correction import add, reference_change, shared_update, zeros_like
+from fedspc_app.core.correction import (
+    add,
+    reference_change,
+    shared_update,
+    uncorrected_step,
+    zeros_like,
+)
 from fedspc_app.core.dp_mechanism import clip_update, update_norm
 from fedspc_app.core.errors import DivergenceError
 from fedspc_app.core.methods import Method, Phase
@@ -254,6 +260,13 @@ def train_client(
             examples_seen += result.examples
 
     final_shared = state_arrays(model, split.shared)
+    level = correct_shared and config.dp and config.dp_reference == "level"
+    if level:
+        # dp-reference = "level": the release is of the steps the gradients alone took
+        # (the correction's own displacement taken out), so the u_bar the server derives
+        # from it follows the clients' mean gradient and its noise does not accumulate.
+        final_shared = uncorrected_step(final_shared, global_reference, local_reference,
+                                        steps=shared_steps, learning_rate=config.learning_rate)
     clipping = {}
     if config.dp and config.dp_clipping == "client":
         if config.dp_clipping_quantile > 0:  # adaptive clipping: b_k = 1[‖Δ_k‖ ≤ C_t]
@@ -272,8 +285,8 @@ def train_client(
     if correct_shared:
         update = shared_update(final_shared, received, split.corrected)
         change = reference_change(
-            update, global_reference, steps=shared_steps, learning_rate=config.learning_rate
-        )
+            update, local_reference if level else global_reference, steps=shared_steps,
+            learning_rate=config.learning_rate)
         new_reference = add(local_reference, change)
 
     new_state = ClientState(

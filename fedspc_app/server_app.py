@@ -535,6 +535,8 @@ def adaptive_entry(config: RunConfig, strategy: PersonalizedFedAvg) -> dict[str,
                                      strategy.expected_clients)
     if config.dp_reference_smoothing > 0:
         out["reference-smoothing"] = config.dp_reference_smoothing
+    if config.dp_reference != "increment":
+        out["reference"] = config.dp_reference  # the clients release uncorrected steps
     return out
 
 

@@ -296,7 +296,9 @@ def test_smoothing_by_hand():
 def test_smoothing_scales_the_stationary_noise_variance_as_derived(q, beta):
     """u_bar_t = β u_bar_{t−1} + (1 − β)((1 − q) u_bar_{t−1} + q x_t) on i.i.d. noise
     x_t: the stationary variance is (1−β)(2−q)/(2−(1−β)q) times Algorithm 1's
-    (β = 0), (1−β)/(1+β) at q = 1 (docs/privacy.md)."""
+    (β = 0), (1−β)/(1+β) at q = 1 (docs/privacy.md). The x_t of dp-reference = "level"
+    are such fresh estimates; the increment's contain u_bar and walk instead
+    (tests/test_privacy_level.py)."""
     noise = np.random.default_rng(58).normal(size=(30_000, 32))
 
     def stationary_variance(b: float) -> float:

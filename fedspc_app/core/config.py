@@ -49,6 +49,7 @@ DP_EVALUATE = ("every-round", "final")  # which rounds evaluate the clients unde
 COUNT_STDDEV_SHARE = 1 / 20  # adaptive clipping's σ_b unless set: q·K/20 (Andrew et al.)
 MAX_CLIPPING_LR = 1.0  # η_C: a round moves the clipping norm by at most a factor e
 MAX_REFERENCE_SMOOTHING = 0.99  # β of u_bar's smoothing (float32 u_bar; the lag)
+DP_REFERENCES = ("increment", "level")  # what u_bar is derived from under privacy
 LR_SCHEDULES = ("constant", "exponential", "cosine", "step")
 WANDB_MODES = ("offline", "online", "disabled")
 AUGMENTS = ("auto", "none", "crop-flip")
@@ -242,6 +243,7 @@ class RunConfig:
     dp_clipping_lr: float = 0.2
     dp_clipped_count_stddev: float = 0.0
     dp_reference_smoothing: float = 0.0
+    dp_reference: str = "increment"  # or "level": the clients release uncorrected steps
     # Adaptive clipping's public bounds on C_t, as factors of dp-clipping-norm (C_1):
     # C_t stays in [min·C_1, max·C_1]; 0 / inf: no bound
     dp_clipping_norm_min_factor: float = 0.1
@@ -453,6 +455,10 @@ def _check_adaptive(config: RunConfig, corrects: bool) -> None:
             + ("(q·K/20) " if not config.dp_clipped_count_stddev else "")
             + f"is too small for 'dp-noise-multiplier' σ = {sigma:g}: the update's "
             "multiplier (σ^-2 - (2σ_b)^-2)^(-1/2) needs σ_b > σ/2")
+    _choice("dp-reference", config.dp_reference, DP_REFERENCES)
+    if config.dp_reference == "level" and not (config.dp and corrects):
+        raise ConfigError("run-config 'dp-reference' = 'level' needs differential privacy "
+                          "and FedSPC (or a method with control variates)")
     if config.dp_reference_smoothing > 0 and not (config.dp and corrects and sigma > 0):
         raise ConfigError(
             "run-config 'dp-reference-smoothing' > 0 needs differential privacy and "
@@ -555,18 +561,13 @@ def validate(config: RunConfig) -> RunConfig:
                           f"got {config.trim_fraction!r}")
     _at_least("byzantine-clients", config.byzantine_clients, 0)
     training = config.num_clients - config.held_out_clients
-    if (config.aggregation == "trimmed-mean" and config.byzantine_clients > 0
-            and 0 < training <= 2 * config.byzantine_clients):
-        raise ConfigError(
-            f"run-config 'aggregation' = 'trimmed-mean' cuts byzantine-clients = "
-            f"{config.byzantine_clients} values at each end of every coordinate, which "
-            f"leaves nothing of the {training} training clients")
-    if (config.aggregation == "median" and config.byzantine_clients > 0
-            and 0 < training <= 2 * config.byzantine_clients):
-        raise ConfigError(
-            f"run-config 'aggregation' = 'median' bounds fewer than half faulty clients: "
-            f"byzantine-clients = {config.byzantine_clients} of {training} training "
-            "clients is not")
+    byzantine = config.byzantine_clients
+    if config.aggregation in ("trimmed-mean", "median") and 0 < training <= 2 * byzantine:
+        raise ConfigError(f"run-config 'aggregation' = '{config.aggregation}' " + (
+            f"cuts byzantine-clients = {byzantine} values at each end of every coordinate, "
+            f"which leaves nothing of the {training} training clients"
+            if config.aggregation == "trimmed-mean" else "bounds fewer than half faulty "
+            f"clients: byzantine-clients = {byzantine} of {training} training clients is not"))
     _at_least("krum-select", config.krum_select, 0)
     _at_least("attack-clients", config.attack_clients, 0)
     _at_least("server-learning-rate", config.server_learning_rate, 0.0)
