@@ -68,12 +68,14 @@ def _write_run(folder: Path, accuracies: dict, complete: bool = True, **last) ->
 
 def test_the_dp_grid_scores_its_predictions_by_the_rules_it_states(tmp_path):
     score = _script("docs/results/cpu-cifar100-cnn-dp-cross-device/score.py")
-    assert set(score.Scores(tmp_path).predictions()) == {"D1", "D2", "D3", "D4", "D5", "goal"}
+    assert set(score.Scores(tmp_path).predictions()) == {"D1", "D2", "D3", "D4", "D5", "D6",
+                                                         "goal", "goal, level"}
     assert {ok for _, ok in score.Scores(tmp_path).predictions().values()} == {None}
-    final = {  # points at the last round: no DP, DP, DP with u_bar smoothed
-        ("fedavg", False): (30.0, 10.0, None), ("fedavg", True): (31.0, 9.0, 9.5),
-        ("fedrep", False): (40.0, 30.0, None), ("fedrep", True): (39.0, 28.0, 29.5),
-        ("lgfedavg", False): (35.0, 33.0, None), ("lgfedavg", True): (36.0, 33.5, 33.2)}
+    final = {  # points at the last round: no DP, DP, DP with u_bar smoothed, level
+        ("fedavg", False): (30.0, 10.0, None, None), ("fedavg", True): (31.0, 9.0, 9.5, 9.0),
+        ("fedrep", False): (40.0, 30.0, None, None), ("fedrep", True): (39.0, 28.0, 29.5, 30.0),
+        ("lgfedavg", False): (35.0, 33.0, None, None),
+        ("lgfedavg", True): (36.0, 33.5, 33.2, 34.6)}
     grid = tmp_path / score.GRID
     for (method, fedspc), accs in final.items():
         for setting, acc in zip(score.SETTINGS, accs):
@@ -88,12 +90,13 @@ def test_the_dp_grid_scores_its_predictions_by_the_rules_it_states(tmp_path):
                        **{"dp-clipping-norm": 0.4})
     got = {pid: ok for pid, (_, ok) in score.Scores(tmp_path).predictions().items()}
     # D1: losses 20 / 10 / 2; D2: 10 < 30, 33; D3: LG-FedAvg+FedSPC is above its base;
-    # D4: LG-FedAvg's smoothed run is below its plain FedSPC run; goal: 29.5 < 30;
-    # D5: LG-FedAvg's adaptive run is 2 points below its best fixed C.
+    # D4: LG-FedAvg's smoothed run is below its plain FedSPC run; goal: 29.5 < 30, and
+    # level 30.0 >= 30; D5: LG-FedAvg's adaptive run is 2 points below its best fixed C;
+    # D6: level 2 and 1.1 points above plain FedSPC, -0 and +1.6 against the base.
     assert got == {"D1": True, "D2": True, "D3": False, "D4": False, "goal": False,
-                   "D5": False}
+                   "goal, level": True, "D5": False, "D6": True}
     text = score.Scores(tmp_path).report()
-    assert "| FedRep+FedSPC | 39.00 | 28.00 | 29.50 | 11.00 | 10.00 |" in text
+    assert "| FedRep+FedSPC | 39.00 | 28.00 | 29.50 | 30.00 | 11.00 | 10.00 |" in text
     assert "| LG-FedAvg | 22.00 | 23.00 | 24.00 | 26.00 | 27.00 | 25.00 | 0.400 |" in text
     # An unfinished run does not count.
     _write_run(grid / "x", {10: 0.5}, complete=False)

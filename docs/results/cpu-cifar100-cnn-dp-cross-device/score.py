@@ -28,7 +28,8 @@ HERE = Path(__file__).resolve().parent
 GRID = "cpu-cifar100-cnn-dp-cross-device"
 SWEEP = "cpu-cifar100-cnn-dp-clipping"
 METHODS = {"fedavg": "FedAvg", "fedrep": "FedRep", "lgfedavg": "LG-FedAvg"}
-SETTINGS = ("no-dp", "dp", "dp-smooth0.9")
+SETTINGS = ("no-dp", "dp", "dp-smooth0.9", "dp-level")
+FEDSPC_ONLY = ("dp-smooth0.9", "dp-level")
 FIXED_C = ("c0.1", "c0.25", "c0.5", "c1.0", "c2.0")
 TOLERANCE = 1.0  # points: "within 1 point", "by more than 1 point"
 
@@ -87,6 +88,14 @@ def within(a: float | None, b: float | None) -> bool | None:
     return None if gap is None else abs(gap) <= TOLERANCE
 
 
+def above(a: float | None, b: float | None, margin: float = TOLERANCE) -> bool | None:
+    """``a > b + margin`` for a margin above 0 ("more than"), else ``a >= b + margin``
+    ("at most |margin| below"); None if either is missing."""
+    if a is None or b is None:
+        return None
+    return a > b + margin if margin > 0 else a >= b + margin
+
+
 def below(a: float | None, b: float | None) -> bool | None:
     return None if a is None or b is None else a < b
 
@@ -96,7 +105,7 @@ class Scores:
 
     def __init__(self, results: Path):
         names = [name(m, s, setting) for m in METHODS for s in (False, True)
-                 for setting in SETTINGS if s or setting != "dp-smooth0.9"]
+                 for setting in SETTINGS if s or setting not in FEDSPC_ONLY]
         self.runs = {n: load_run(results / GRID / n) for n in names}
         self.sweep = {f"{m}-{c}": load_run(results / SWEEP / f"{m}-{c}")
                       for m in ("fedrep", "lgfedavg") for c in (*FIXED_C, "adaptive")}
@@ -108,15 +117,17 @@ class Scores:
         return minus(self.acc(method, fedspc, "no-dp"), self.acc(method, fedspc, "dp"))
 
     def final_table(self) -> list[str]:
-        lines = ["| Method | no DP | DP | DP, ū smoothed 0.9 | Lost to DP | ε at the end |",
-                 "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines = [("| Method | no DP | DP | DP, ū smoothed 0.9 | DP, ū level | Lost to DP"
+                  " | ε at the end |"), "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for m, label in METHODS.items():
             for s in (False, True):
-                smooth = f(self.acc(m, s, "dp-smooth0.9")) if s else "n/a"
+                smooth, level = ((f(self.acc(m, s, "dp-smooth0.9")),
+                                  f(self.acc(m, s, "dp-level"))) if s else ("n/a", "n/a"))
                 eps = last(self.runs.get(name(m, s, "dp")), "dp-epsilon")
                 lines.append(
                     f"| {label}{'+FedSPC' if s else ''} | {f(self.acc(m, s, 'no-dp'))} | "
-                    f"{f(self.acc(m, s, 'dp'))} | {smooth} | {f(self.dp_cost(m, s))} | "
+                    f"{f(self.acc(m, s, 'dp'))} | {smooth} | {level} | "
+                    f"{f(self.dp_cost(m, s))} | "
                     f"{f(eps)} |")
         return lines
 
@@ -161,8 +172,11 @@ class Scores:
         d4 = all_of(*(check for m in ("fedrep", "lgfedavg") for check in (
             below(a(m, True, "dp"), a(m, True, "dp-smooth0.9")),
             within(a(m, True, "dp-smooth0.9"), a(m, False, "dp")))))
-        gap = minus(a("fedrep", True, "dp-smooth0.9"), a("fedrep", False, "dp"))
-        goal = None if gap is None else gap >= 0
+        d6 = all_of(*(check for m in ("fedrep", "lgfedavg") for check in (
+            above(a(m, True, "dp-level"), a(m, True, "dp")),
+            above(a(m, True, "dp-level"), a(m, False, "dp"), -TOLERANCE))))
+        goal = {setting: above(a("fedrep", True, setting), a("fedrep", False, "dp"), 0.0)
+                for setting in FEDSPC_ONLY}
         d5_checks = []
         for m in ("fedrep", "lgfedavg"):
             fixed = [final(self.sweep[f"{m}-{c}"]) for c in FIXED_C]
@@ -178,7 +192,12 @@ class Scores:
             "D3": ("+FedSPC under DP below its base under DP, FedRep and LG-FedAvg", d3),
             "D4": (("ū smoothed 0.9 above plain FedSPC under DP, and within 1 point of"
                     " the base under DP, FedRep and LG-FedAvg"), d4),
-            "goal": ("FedRep+FedSPC (ū smoothed) under DP ≥ FedRep under DP", goal),
+            "D6": (("ū level more than 1 point above plain FedSPC under DP, and at most 1"
+                    " point below the base under DP, FedRep and LG-FedAvg"), d6),
+            "goal": ("FedRep+FedSPC (ū smoothed) under DP ≥ FedRep under DP",
+                     goal["dp-smooth0.9"]),
+            "goal, level": ("FedRep+FedSPC (ū level) under DP ≥ FedRep under DP",
+                            goal["dp-level"]),
             "D5": (("adaptive within 1 point below the best fixed C or above it, and"
                     " more than 1 point above the worst, FedRep and LG-FedAvg"),
                    all_of(*d5_checks)),
