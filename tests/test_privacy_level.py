@@ -10,8 +10,10 @@ import math
 
 import numpy as np
 import pytest
+from test_algorithm import ETA, client_round, config, scalar
 from test_privacy import run
 
+from clients import ClientState
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.correction import (
     add,
@@ -20,7 +22,7 @@ from fedspc_app.core.correction import (
     uncorrected_step,
 )
 from fedspc_app.core.errors import ConfigError
-from fedspc_app.core.protocol import ARRAYS, GLOBAL_REFERENCE
+from fedspc_app.core.protocol import ARRAYS, GLOBAL_REFERENCE, WITHIN_CLIPPING_NORM
 from fedspc_app.core.records import from_record
 
 W = "w"
@@ -46,7 +48,9 @@ def test_the_uncorrected_step_by_hand():
 
 @pytest.mark.parametrize("overrides,message", [
     ({"fedspc": True, "dp-reference": "level"}, "'level' needs differential privacy"),
-    ({"dp-clipping-norm": 1.0, "dp-reference": "level"}, "needs differential privacy and"),
+    ({"dp-clipping-norm": 1.0, "dp-reference": "level"}, "needs differential privacy, FedSPC"),
+    ({"dp-clipping-norm": 1.0, "fedspc": True, "dp-reference": "level", "momentum": 0.5},
+     "'momentum' = 0"),
     ({"dp-clipping-norm": 1.0, "fedspc": True, "dp-reference": "levels"}, "'dp-reference'"),
 ])
 def test_what_level_cannot_honour_is_refused(overrides, message):
@@ -68,15 +72,15 @@ def test_with_every_client_and_no_clipping_or_noise_level_is_algorithm_1(tmp_pat
     """q = 1, C = inf, σ = 0: the drawn clients' u_k average to u_bar, so the mean of the
     uncorrected steps is the mean update and u_bar the same: θ and u_bar broadcast in
     every round agree to float rounding, while the replies differ (from round 2, where
-    u_k ≠ u_bar)."""
-    dp = {"method": "fedrep", "fedspc": True, "num-rounds": 3, "dp-clipping-norm": math.inf,
+    u_k ≠ u_bar). Four rounds: a wrong u_k of round 2 shows in round 4's broadcasts."""
+    dp = {"method": "fedrep", "fedspc": True, "num-rounds": 4, "dp-clipping-norm": math.inf,
           "dp-noise-multiplier": 0.0}
     grid_a, rounds_a = run(tmp_path, "increment", **dp)
     grid_b, rounds_b = run(tmp_path, "level", **dp, **{"dp-reference": "level"})
     for key in (ARRAYS, GLOBAL_REFERENCE):
         for a, b in zip(broadcasts(grid_a, key), broadcasts(grid_b, key), strict=True):
-            for name in a:
-                np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-6)
+            worst = max(float(np.max(np.abs(b[n] - a[n]))) for n in a)
+            assert worst <= 1e-4 * max(float(np.max(np.abs(a[n]))) for n in a) + 1e-7, key
     assert rounds_b[-1]["accuracy"] == pytest.approx(rounds_a[-1]["accuracy"], abs=0.02)
     last = [r for r in grid_a.replies if r.metadata.message_type == "train"][-1]
     other = [r for r in grid_b.replies if r.metadata.message_type == "train"][-1]
@@ -86,6 +90,74 @@ def test_with_every_client_and_no_clipping_or_noise_level_is_algorithm_1(tmp_pat
     assert privacy["reference"] == "level"
     assert "reference" not in json.loads(
         (tmp_path / "increment" / "config.json").read_text())["privacy"]
+
+
+def test_every_release_is_within_the_clipping_norm(tmp_path):
+    """The uncorrected step is taken before clipping: what the server receives is at most
+    C from what it sent, on the corrected keys, in every round."""
+    grid, _ = run(tmp_path, "clip", method="fedrep", fedspc=True, **{
+        "num-rounds": 3, "dp-clipping-norm": 0.05, "dp-noise-multiplier": 0.0,
+        "dp-reference": "level"})
+    sent = {m.metadata.message_id: from_record(m.content.array_records[ARRAYS])
+            for m in grid.sent if m.metadata.message_type == "train"}
+    corrected = list(broadcasts(grid, GLOBAL_REFERENCE)[0])
+    replies = [r for r in grid.replies if r.metadata.message_type == "train"]
+    assert len(replies) == 3 * 3
+    for r in replies:
+        base, got = sent[r.metadata.reply_to_message_id], from_record(r.content.array_records[ARRAYS])
+        norm = math.sqrt(sum(float(np.sum((got[k].astype(np.float64) - base[k]) ** 2))
+                             for k in corrected))
+        assert norm <= 0.05 * (1 + 1e-4)
+
+
+# One client round of FedPer + FedSPC on test_algorithm's two-scalar model (w the body,
+# shared; h the head), with u_k and u_bar apart.
+B = "body.weight"
+STATE = ClientState(personal={"head.weight": np.array([[1.15958125]])},
+                    local_reference={B: np.array([[-1.449421875]])})
+RECEIVED = {B: [[0.3521421875]]}
+U_BAR = {B: np.array([[0.7392890625]], dtype=np.float32)}
+
+
+def private(**extra):
+    return config(**{"fedspc": True, "method": "fedper", "local_steps": 2,
+                     "dp_clipping_norm": math.inf, "dp_noise_multiplier": 0.0, **extra})
+
+
+def test_a_client_round_releases_the_update_plus_e_eta_times_the_correction():
+    increment = client_round("fedper", private(), RECEIVED, STATE, 0, U_BAR)
+    level = client_round("fedper", private(dp_reference="level"), RECEIVED, STATE, 0, U_BAR)
+    steps = increment.shared_steps
+    assert steps == level.shared_steps == 2
+    correction = float(U_BAR[B][0, 0]) - (-1.449421875)
+    assert scalar(level.shared, B) == pytest.approx(
+        scalar(increment.shared, B) + steps * ETA * correction, abs=1e-6)
+    # The new u_k is Algorithm 1's, and minus the released step over E η.
+    new = scalar(level.state.local_reference, B)
+    assert new == pytest.approx(scalar(increment.state.local_reference, B), abs=1e-5)
+    assert new == pytest.approx(-(scalar(level.shared, B) - 0.3521421875) / (steps * ETA),
+                                abs=1e-5)
+
+
+@pytest.mark.parametrize("clip", [0.05, 0.2])
+def test_the_release_is_clipped_and_u_k_follows_the_clipped_release(clip):
+    level = client_round("fedper", private(dp_reference="level", dp_clipping_norm=clip),
+                         RECEIVED, STATE, 0, U_BAR)
+    step = scalar(level.shared, B) - 0.3521421875
+    assert abs(step) == pytest.approx(clip, rel=1e-5)  # the unclipped step is larger
+    assert scalar(level.state.local_reference, B) == pytest.approx(-step / (2 * ETA),
+                                                                   abs=1e-5)
+
+
+def test_adaptive_clipping_s_bit_is_about_the_release():
+    def norm(cfg):
+        return abs(scalar(client_round("fedper", cfg, RECEIVED, STATE, 0, U_BAR).shared, B)
+                   - 0.3521421875)
+    released, update = norm(private(dp_reference="level")), norm(private())
+    between = (released + update) / 2  # the two bits differ at this norm
+    out = client_round("fedper", private(dp_reference="level", dp_clipping_norm=between,
+                                         dp_clipping_quantile=0.5), RECEIVED, STATE, 0, U_BAR)
+    assert out.metrics[WITHIN_CLIPPING_NORM] == int(released <= between)
 
 
 def simulate(reference: str, rounds: int, q: float = 0.5, sigma: float = 1.0, clients=20,

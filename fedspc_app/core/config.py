@@ -456,9 +456,10 @@ def _check_adaptive(config: RunConfig, corrects: bool) -> None:
             + f"is too small for 'dp-noise-multiplier' σ = {sigma:g}: the update's "
             "multiplier (σ^-2 - (2σ_b)^-2)^(-1/2) needs σ_b > σ/2")
     _choice("dp-reference", config.dp_reference, DP_REFERENCES)
-    if config.dp_reference == "level" and not (config.dp and corrects):
-        raise ConfigError("run-config 'dp-reference' = 'level' needs differential privacy "
-                          "and FedSPC (or a method with control variates)")
+    if config.dp_reference == "level" and not (config.dp and corrects and not config.momentum):
+        raise ConfigError("run-config 'dp-reference' = 'level' needs differential privacy, "
+                          "FedSPC (or a method with control variates) and 'momentum' = 0 "
+                          "(momentum moves the block by more than E·η per unit of correction)")
     if config.dp_reference_smoothing > 0 and not (config.dp and corrects and sigma > 0):
         raise ConfigError(
             "run-config 'dp-reference-smoothing' > 0 needs differential privacy and "
