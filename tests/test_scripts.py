@@ -98,6 +98,7 @@ def test_the_dp_grid_scores_its_predictions_by_the_rules_it_states(tmp_path):
     text = score.Scores(tmp_path).report()
     assert "| FedRep+FedSPC | 39.00 | 28.00 | 29.50 | 30.00 | 11.00 | 10.00 |" in text
     assert "| LG-FedAvg | 22.00 | 23.00 | 24.00 | 26.00 | 27.00 | 25.00 | 0.400 |" in text
+    assert "| fedrep-dp | — | — | — | — | — | — |" in text  # no C recorded in these runs
     # An unfinished run does not count.
     _write_run(grid / "x", {10: 0.5}, complete=False)
     assert score.load_run(grid / "x") is None

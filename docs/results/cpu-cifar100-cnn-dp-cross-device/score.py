@@ -5,9 +5,10 @@ docs/results/cpu-cifar100-cnn-dp-clipping for D5) and prints, in Markdown:
 
 * the personalized accuracy at the last round of each cell, without DP, under DP and
   under DP with a smoothed u_bar, what DP cost each method, and the epsilon spent;
-* accuracy against epsilon: each DP cell's accuracy at its evaluated rounds beside the
-  epsilon spent by then (every 10 rounds a fifth of the clients is evaluated, at the
-  last round all of them);
+* accuracy against epsilon: each cell's accuracy at its evaluated rounds beside the
+  epsilon the DP cells had spent by then (every 10 rounds a fifth of the clients is
+  evaluated, at the last round all of them);
+* adaptive clipping's C in each DP cell (the scale of what the clients release);
 * the clipping sweep: accuracy at round 30 for each fixed C and for adaptive clipping
   (its C at the end);
 * each prediction, hit / miss / pending, by the rule written beside it in README.md.
@@ -131,11 +132,25 @@ class Scores:
                     f"{f(eps)} |")
         return lines
 
-    def epsilon_table(self) -> list[str]:
+    def clipping_table(self) -> list[str]:
+        """Adaptive clipping's C in each DP cell, every 20 rounds and at the end (the
+        median update norm it tracks: the released vectors' scale)."""
         cells = [(n, run) for n, run in self.runs.items()
-                 if run is not None and "-dp" in n]
+                 if run is not None and not n.endswith("-no-dp")]
         if not cells:
             return ["(no DP run is complete yet)"]
+        marks = (1, 20, 40, 60, 80, 100)
+        lines = ["| Cell | " + " | ".join(f"C at {r}" for r in marks) + " |",
+                 "| --- | " + " | ".join("---:" for _ in marks) + " |"]
+        for n, run in cells:
+            by_round = {r["round"]: r.get("dp-clipping-norm") for r in run["rounds"]}
+            lines.append(f"| {n} | " + " | ".join(f(by_round.get(r), 3) for r in marks) + " |")
+        return lines
+
+    def epsilon_table(self) -> list[str]:
+        cells = [(n, run) for n, run in self.runs.items() if run is not None]
+        if not cells:
+            return ["(no run is complete yet)"]
         rounds = sorted({r["round"] for _, run in cells for r in run["rounds"]
                          if r.get("accuracy") is not None})
         lines = ["| Round | ε | " + " | ".join(n for n, _ in cells) + " |",
@@ -205,8 +220,10 @@ class Scores:
 
     def report(self) -> str:
         out = ["## Personalized accuracy at the last round (%)", "", *self.final_table(), "",
-               "## Accuracy against ε (%), the DP cells at their evaluated rounds", "",
+               ("## Accuracy against ε (%) at the evaluated rounds: the DP cells, and the runs"
+                " without DP beside them"), "",
                *self.epsilon_table(), "",
+               "## Adaptive clipping's C in the DP cells", "", *self.clipping_table(), "",
                "## Clipping sweep: accuracy at round 30 (%)", "", *self.sweep_table(), "",
                "## Predictions", "", "| | Rule | Verdict |", "| --- | --- | --- |"]
         out += [f"| {pid} | {rule} | {verdict(ok)} |"
