@@ -69,7 +69,7 @@ def _write_run(folder: Path, accuracies: dict, complete: bool = True, **last) ->
 def test_the_dp_grid_scores_its_predictions_by_the_rules_it_states(tmp_path):
     score = _script("docs/results/cpu-cifar100-cnn-dp-cross-device/score.py")
     assert set(score.Scores(tmp_path).predictions()) == {"D1", "D2", "D3", "D4", "D5", "D6",
-                                                         "goal", "goal, level"}
+                                                         "D7", "goal", "goal, level"}
     assert {ok for _, ok in score.Scores(tmp_path).predictions().values()} == {None}
     final = {  # points at the last round: no DP, DP, DP with u_bar smoothed, level
         ("fedavg", False): (30.0, 10.0, None, None), ("fedavg", True): (31.0, 9.0, 9.5, 9.0),
@@ -88,13 +88,22 @@ def test_the_dp_grid_scores_its_predictions_by_the_rules_it_states(tmp_path):
         for c, acc in zip((*score.FIXED_C, "adaptive"), accs):
             _write_run(tmp_path / score.SWEEP / f"{method}-{c}", {30: acc / 100},
                        **{"dp-clipping-norm": 0.4})
+    seed1 = {"fedrep-no-dp": 30.0, "fedrep-dp": 29.0, "fedrep+fedspc-dp-level": 27.5,
+             "lgfedavg-no-dp": 30.0, "lgfedavg-dp": 29.5, "lgfedavg+fedspc-dp-level": 29.0}
+    for cell, acc in seed1.items():
+        _write_run(tmp_path / score.SEED1 / cell, {100: acc / 100})
     got = {pid: ok for pid, (_, ok) in score.Scores(tmp_path).predictions().items()}
     # D1: losses 20 / 10 / 2; D2: 10 < 30, 33; D3: LG-FedAvg+FedSPC is above its base;
     # D4: LG-FedAvg's smoothed run is below its plain FedSPC run; goal: 29.5 < 30, and
     # level 30.0 >= 30; D5: LG-FedAvg's adaptive run is 2 points below its best fixed C;
     # D6: level 2 and 1.1 points above plain FedSPC, -0 and +1.6 against the base.
+    # D7: level 1.5 and 0.5 below its base at seed 1, DP costing the bases 1 and 0.5.
     assert got == {"D1": True, "D2": True, "D3": False, "D4": False, "goal": False,
-                   "goal, level": True, "D5": False, "D6": True}
+                   "goal, level": True, "D5": False, "D6": True, "D7": True}
+    _write_run(tmp_path / score.SEED1 / "fedrep+fedspc-dp-level-x", {100: 0.2})
+    (tmp_path / score.SEED1 / "fedrep+fedspc-dp-level" / "metrics.json").write_text(
+        (tmp_path / score.SEED1 / "fedrep+fedspc-dp-level-x" / "metrics.json").read_text())
+    assert score.Scores(tmp_path).predictions()["D7"][1] is False  # 9 points below
     text = score.Scores(tmp_path).report()
     assert "| FedRep+FedSPC | 39.00 | 28.00 | 29.50 | 30.00 | 11.00 | 10.00 |" in text
     assert "| LG-FedAvg | 22.00 | 23.00 | 24.00 | 26.00 | 27.00 | 25.00 | 0.400 |" in text

@@ -11,6 +11,7 @@ docs/results/cpu-cifar100-cnn-dp-clipping for D5) and prints, in Markdown:
 * adaptive clipping's C in each DP cell (the scale of what the clients release);
 * the clipping sweep: accuracy at round 30 for each fixed C and for adaptive clipping
   (its C at the end);
+* the deciding cells at seed 1 (docs/results/cpu-cifar100-cnn-dp-cross-device-s1);
 * each prediction, hit / miss / pending, by the rule written beside it in README.md.
 
 A run counts only when it is complete (summary.json says so). Numbers are in points of
@@ -28,6 +29,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 GRID = "cpu-cifar100-cnn-dp-cross-device"
 SWEEP = "cpu-cifar100-cnn-dp-clipping"
+SEED1 = "cpu-cifar100-cnn-dp-cross-device-s1"  # the deciding cells at seed 1 (D7)
+SEED1_CELLS = ("no-dp", "dp", "dp-level")
 METHODS = {"fedavg": "FedAvg", "fedrep": "FedRep", "lgfedavg": "LG-FedAvg"}
 SETTINGS = ("no-dp", "dp", "dp-smooth0.9", "dp-level")
 FEDSPC_ONLY = ("dp-smooth0.9", "dp-level")
@@ -110,6 +113,23 @@ class Scores:
         self.runs = {n: load_run(results / GRID / n) for n in names}
         self.sweep = {f"{m}-{c}": load_run(results / SWEEP / f"{m}-{c}")
                       for m in ("fedrep", "lgfedavg") for c in (*FIXED_C, "adaptive")}
+        self.seed1 = {n: load_run(results / SEED1 / n) for n in names if n.split("-", 1)[0]
+                      in ("fedrep", "lgfedavg", "fedrep+fedspc", "lgfedavg+fedspc")}
+
+    def acc1(self, method: str, fedspc: bool, setting: str) -> float | None:
+        """Seed 1's accuracy of a cell (D7)."""
+        return final(self.seed1.get(name(method, fedspc, setting)))
+
+    def seed1_table(self) -> list[str]:
+        lines = ["| Method | no DP | DP (base) / DP, ū level (FedSPC) | Lost to DP |",
+                 "| --- | ---: | ---: | ---: |"]
+        for m in ("fedrep", "lgfedavg"):
+            for s in (False, True):
+                dp = self.acc1(m, s, "dp-level" if s else "dp")
+                lines.append(f"| {METHODS[m]}{'+FedSPC' if s else ''} | "
+                             f"{f(self.acc1(m, s, 'no-dp'))} | {f(dp)} | "
+                             f"{f(minus(self.acc1(m, s, 'no-dp'), dp))} |")
+        return lines
 
     def acc(self, method: str, fedspc: bool, setting: str) -> float | None:
         return final(self.runs.get(name(method, fedspc, setting)))
@@ -207,6 +227,13 @@ class Scores:
             "D3": ("+FedSPC under DP below its base under DP, FedRep and LG-FedAvg", d3),
             "D4": (("ū smoothed 0.9 above plain FedSPC under DP, and within 1 point of"
                     " the base under DP, FedRep and LG-FedAvg"), d4),
+            "D7": (("seed 1: ū level under DP below its base under DP by less than 2"
+                    " points, and DP costing each base less than 2, FedRep and LG-FedAvg"),
+                   all_of(*(check for m in ("fedrep", "lgfedavg") for check in (
+                       below(self.acc1(m, True, "dp-level"), self.acc1(m, False, "dp")),
+                       above(self.acc1(m, True, "dp-level"), self.acc1(m, False, "dp"), -2.0),
+                       below(minus(self.acc1(m, False, "no-dp"),
+                                   self.acc1(m, False, "dp")), 2.0))))),
             "D6": (("ū level more than 1 point above plain FedSPC under DP, and at most 1"
                     " point below the base under DP, FedRep and LG-FedAvg"), d6),
             "goal": ("FedRep+FedSPC (ū smoothed) under DP ≥ FedRep under DP",
@@ -225,9 +252,11 @@ class Scores:
                *self.epsilon_table(), "",
                "## Adaptive clipping's C in the DP cells", "", *self.clipping_table(), "",
                "## Clipping sweep: accuracy at round 30 (%)", "", *self.sweep_table(), "",
+               "## Seed 1, the deciding cells: accuracy at round 100 (%)", "",
+               *self.seed1_table(), "",
                "## Predictions", "", "| | Rule | Verdict |", "| --- | --- | --- |"]
         out += [f"| {pid} | {rule} | {verdict(ok)} |"
-                for pid, (rule, ok) in self.predictions().items()]
+                for pid, (rule, ok) in sorted(self.predictions().items())]
         return "\n".join(out) + "\n"
 
 
