@@ -139,3 +139,27 @@ def test_the_tables_flags_read_the_runs_records():
     # config.json records one code version for both; the Base was resumed after round 6.
     assert recompute.pair_flags("cpu-cifar100-resnet34-e5", "fedrep-s0", None, None,
                                 segments) == "r"
+
+
+def test_the_tables_flag_a_pair_made_on_two_kinds_of_cpu(tmp_path, monkeypatch):
+    recompute = _recompute()
+    grid = tmp_path / "grid"
+    for run in ("lgfedavg-s2", "lgfedavg+fedspc-s2"):  # both on one CPU kind, one segment each
+        source = ROOT / "docs/results/cpu-cifar100-resnet34-e5" / run
+        (grid / run).mkdir(parents=True)
+        for name in ("config.json", "metrics.json"):
+            (grid / run / name).write_text((source / name).read_text())
+    monkeypatch.setattr(recompute, "RESULTS", tmp_path)
+    flags = recompute.pair_flags("grid", "lgfedavg-s2", None, None, {})
+    assert "m" not in flags
+    path = grid / "lgfedavg+fedspc-s2" / "config.json"
+    config = json.loads(path.read_text())
+    config["segments"][-1]["machine"] = {**config["segments"][-1]["machine"], "cpu": "AMD EPYC"}
+    path.write_text(json.dumps(config))
+    assert recompute.pair_flags("grid", "lgfedavg-s2", None, None, {}) == flags + "m"
+    # A run that records no machine is not counted as another kind.
+    for segment in config["segments"]:
+        segment.pop("machine")
+    config.pop("machine", None)
+    path.write_text(json.dumps(config))
+    assert "m" not in recompute.pair_flags("grid", "lgfedavg-s2", None, None, {})

@@ -43,7 +43,7 @@ by the claim it supports, so the text can be held against it:
 * the wall times of the READMEs' tables against summary.json;
 * the top-level README's "When does FedSPC help?" table, rendered from the runs
   (per-seed Δ with its flags: two builds, resumed, an evaluation-only round, no
-  recorded code version; mean ± SD, the horizon, the seed-mean curve's rounds ahead /
+  recorded code version, two kinds of CPU; mean ± SD, the horizon, the seed-mean curve's rounds ahead /
   behind) and held against the README's block between its when-table markers
   (``--readme`` rewrites that block);
 * LG-FedAvg and FedRep at E = 5 over 30 rounds (P12, P13): Δ every five rounds, the
@@ -942,8 +942,9 @@ FLAGS = {
     "e": "a run of the pair has a round that was only evaluated after a resume",
     "n": "config.json records no code version (the logs give the app's hash)",
     "u": "the logs cannot tell which build made the pair",
+    "m": "the pair's runs were made on two kinds of CPU",
 }
-SUPERSCRIPT = {"b": "ᵇ", "r": "ʳ", "e": "ᵉ", "n": "ⁿ", "u": "ᵘ"}
+SUPERSCRIPT = {"b": "ᵇ", "r": "ʳ", "e": "ᵉ", "n": "ⁿ", "u": "ᵘ", "m": "ᵐ"}
 README = RESULTS.parents[1] / "README.md"
 BEGIN, END = "<!-- when-table:begin -->", "<!-- when-table:end -->"
 
@@ -978,7 +979,15 @@ def pair_flags(grid, base, spc, spc_grid, segments=None) -> str:
     flags += "e" if any(_evaluation_only(p) for p in paths) else ""
     flags += "n" if not all(codes) else ""
     flags += "u" if unknown else ""
+    flags += "m" if len(set().union(*(_cpus(c) for c in configs))) > 1 else ""
     return flags
+
+
+def _cpus(config: dict) -> set:
+    """The CPU models a run was made on, from config.json's segments (or its one machine
+    where it records no segments); empty where it records neither."""
+    machines = [s.get("machine") for s in config.get("segments", [])] or [config.get("machine")]
+    return {m["cpu"] for m in machines if m and m.get("cpu")}
 
 
 def _minus(text: str) -> str:
