@@ -224,6 +224,7 @@ def train_client(
 
     batches = data.batches("train", job.generator("train"))
     shared_steps = 0
+    corrected_steps = dict.fromkeys(split.corrected if correct_shared else (), 0)
     last_loss = float("nan")
     examples_seen = 0
     for phase in method.phases:
@@ -255,6 +256,9 @@ def train_client(
                                   f"({phase.train} phase): {error}") from None
         if shared_phase:
             shared_steps += result.steps
+            for key in trainable:  # the steps that corrected each key ("level")
+                if key in corrected_steps:
+                    corrected_steps[key] += result.steps
         if result.examples:
             last_loss = result.mean_loss
             examples_seen += result.examples
@@ -266,7 +270,8 @@ def train_client(
         # (the correction's own displacement taken out), so the u_bar the server derives
         # from it follows the clients' mean gradient and its noise does not accumulate.
         final_shared = uncorrected_step(final_shared, global_reference, local_reference,
-                                        steps=shared_steps, learning_rate=config.learning_rate)
+                                        steps=corrected_steps,
+                                        learning_rate=config.learning_rate)
     clipping = {}
     if config.dp and config.dp_clipping == "client":
         if config.dp_clipping_quantile > 0:  # adaptive clipping: b_k = 1[‖Δ_k‖ ≤ C_t]

@@ -504,7 +504,9 @@ def privacy_entry(config: RunConfig, strategy: PersonalizedFedAvg, num_rounds: i
                           "drawn from a secret of the server"),
         "noise": "from a secret of the server drawn from OS entropy (kept in its "
                  "checkpoint only), not from the run-config's seed",
-        "estimator": "(sum of the clipped updates + N(0, (σC)²)) / (q·K)",
+        "estimator": "(sum of the clipped "
+                     + ("uncorrected steps θ_k + Eη(ū − u_k) − θ" if config.dp_reference == "level"
+                        else "updates") + " + N(0, (σC)²)) / (q·K)",
         "expected-clients": strategy.expected_clients,
         "noise-std": noise_std(config.dp_noise_multiplier, config.dp_clipping_norm,
                                strategy.expected_clients),

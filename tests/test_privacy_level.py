@@ -10,10 +10,18 @@ import math
 
 import numpy as np
 import pytest
-from test_algorithm import ETA, client_round, config, scalar
+from test_algorithm import (
+    ETA,
+    OneSample,
+    TwoScalars,
+    client_round,
+    config,
+    half_squared_error,
+    scalar,
+)
 from test_privacy import run
 
-from clients import ClientState
+from clients import ClientJob, ClientState, train_client
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.correction import (
     add,
@@ -21,9 +29,12 @@ from fedspc_app.core.correction import (
     reference_change,
     uncorrected_step,
 )
+from fedspc_app.core.dp_mechanism import clip_update, update_norm
 from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.methods import Method, Phase, get_method
 from fedspc_app.core.protocol import ARRAYS, GLOBAL_REFERENCE, WITHIN_CLIPPING_NORM
 from fedspc_app.core.records import from_record
+from fedspc_app.models.split import parameter_split
 
 W = "w"
 
@@ -87,7 +98,7 @@ def test_with_every_client_and_no_clipping_or_noise_level_is_algorithm_1(tmp_pat
     a, b = (from_record(m.content.array_records[ARRAYS]) for m in (last, other))
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) > 1e-4
     privacy = json.loads((tmp_path / "level" / "config.json").read_text())["privacy"]
-    assert privacy["reference"] == "level"
+    assert privacy["reference"] == "level" and "uncorrected steps" in privacy["estimator"]
     assert "reference" not in json.loads(
         (tmp_path / "increment" / "config.json").read_text())["privacy"]
 
@@ -212,3 +223,49 @@ def test_under_noise_the_increment_keeps_every_round_s_noise_and_level_does_not(
     # Without noise both follow the clients' references exactly when all are drawn.
     assert simulate("increment", 60, sigma=0.0, q=1.0)[-1] < 1e-5
     assert simulate("level", 60, sigma=0.0, q=1.0)[-1] < 1e-5
+
+
+# A method of one's own whose shared phases train different parts of the shared block:
+# the head, then the body, everything shared.
+TWO_PHASES = Method("twophase", "all",
+                    (Phase("head", "local_epochs"), Phase("body", "local_epochs")),
+                    personalized=False, summary="head then body, all shared")
+
+
+def test_level_adds_back_each_key_s_own_correction_when_phases_train_different_keys():
+    """Each key is corrected only in the phases that train it (2 of the E = 4 shared
+    steps here), so the uncorrected step adds back 2η(ū − u_k) to each, not Eη(ū − u_k):
+    with no data gradient (x = 0) the release is zero."""
+    method = get_method("test_privacy_level:TWO_PHASES")
+    cfg = config(fedspc=True, method="test_privacy_level:TWO_PHASES", local_steps=2,
+                 dp_clipping_norm=math.inf, dp_noise_multiplier=0.0, dp_reference="level")
+    model = TwoScalars().double()
+    split = parameter_split(model, method)
+    received = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    u_bar = {k: np.ones(received[k].shape, np.float32) for k in split.corrected}
+    state = ClientState(local_reference={k: np.zeros(received[k].shape, np.float32)
+                                         for k in split.corrected})
+    out = train_client(ClientJob(cfg, method, model, split, received, state, OneSample(0.0, 0.0)),
+                       global_reference=u_bar, loss_fn=half_squared_error)
+    assert out.shared_steps == 4 and set(split.corrected) == {"body.weight", "head.weight"}
+    for key in split.corrected:
+        np.testing.assert_allclose(out.shared[key] - received[key], 0.0, atol=1e-7)
+
+
+@pytest.mark.parametrize("clipping_norm", [1e-3, 3e-5, 2.4e-5, 1e-5, 1e-9])
+def test_a_clipped_update_is_within_the_norm_the_server_measures_at_any_c(clipping_norm):
+    """Parameters of size about 1, updates whose float32 rounding is comparable to C: the
+    clipped update, as the server measures it (what was sent minus the broadcast, in
+    float64), is never above C, so an honest reply never fails the server's check,
+    whatever its data; below float32's resolution the update is dropped."""
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        initial = {k: rng.normal(size=(64, 32)).astype(np.float32) for k in ("a", "b")}
+        final = {k: (v + rng.normal(scale=10 ** rng.uniform(-4, 0), size=v.shape))
+                 .astype(np.float32) for k, v in initial.items()}
+        clipped = clip_update(final, initial, list(initial), clipping_norm)
+        assert update_norm(clipped, initial, list(initial)) <= clipping_norm
+        assert all(clipped[k].dtype == np.float32 for k in clipped)
+    if clipping_norm >= 1e-3:  # well above the rounding: clipped to C, to float32 precision
+        assert update_norm(clipped, initial, list(initial)) == pytest.approx(clipping_norm,
+                                                                             rel=1e-3)

@@ -52,16 +52,20 @@ def reference_change(update: Mapping[str, np.ndarray],
 
 
 def uncorrected_step(final: Mapping[str, np.ndarray], global_reference: Mapping[str, np.ndarray],
-                     local_reference: Mapping[str, np.ndarray], *, steps: int,
-                     learning_rate: float) -> ArrayDict:
+                     local_reference: Mapping[str, np.ndarray], *,
+                     steps: int | Mapping[str, int], learning_rate: float) -> ArrayDict:
     """``theta_{s,k} + E eta (u_bar - u_k)`` over the corrected keys (float32), the others
     as they are: where the shared block would end had the round's correction not moved
     it, so that its update is ``-E eta g_k``, the steps of the gradients alone along the
     corrected path (``dp-reference = "level"``: what a client releases under privacy).
-    Its reference change is then :func:`reference_change` of that update against
-    ``u_k`` in place of ``u_bar``: the same new ``u_k``, ``g_k``, as Algorithm 1's."""
-    scale = np.float32(steps * learning_rate)
-    return {key: (np.add(value, scale * (global_reference[key] - local_reference[key]),
+    ``steps`` is E, or per key the steps that corrected it (a method whose shared phases
+    train different parts of the block). Its reference change is then
+    :func:`reference_change` of that update against ``u_k`` in place of ``u_bar``: the
+    same new ``u_k``, ``g_k``, as Algorithm 1's."""
+    def scale(key):
+        return np.float32((steps[key] if isinstance(steps, Mapping) else steps) * learning_rate)
+
+    return {key: (np.add(value, scale(key) * (global_reference[key] - local_reference[key]),
                          dtype=np.float32) if key in global_reference else value)
             for key, value in final.items()}
 

@@ -52,16 +52,38 @@ def clip_update(final: Mapping[str, np.ndarray], initial: Mapping[str, np.ndarra
                 keys: Iterable[str], clipping_norm: float) -> ArrayDict:
     """``final`` with its update from ``initial`` over ``keys`` scaled down to L2 norm at
     most ``clipping_norm`` (Flower's ``compute_clip_model_update``); an update within the
-    norm leaves ``final`` exactly as it is."""
+    norm leaves ``final`` exactly as it is.
+
+    The norm that counts is the one the server measures, of what is sent: ``final``
+    minus ``initial`` in float64 (:func:`update_norm`). Rounding ``initial`` plus the
+    scaled update back to float32 can leave that above ``clipping_norm`` when the norm
+    is small against the parameters, so the update is shrunk until it is within; if no
+    float32 step is (``clipping_norm`` below the parameters' resolution), the update
+    is dropped (``final = initial``). Either way whether a reply passes the server's
+    check depends on nothing private."""
     keys = list(keys)
     out = dict(final)
     if not keys or update_norm(final, initial, keys) <= clipping_norm:
         return out
     clipped = [np.asarray(final[k]).copy() for k in keys]
     compute_clip_model_update(clipped, [np.asarray(initial[k]) for k in keys], clipping_norm)
-    for key, value in zip(keys, clipped):
-        out[key] = value.astype(np.asarray(final[key]).dtype, copy=False)
+    steps = {k: np.subtract(value, initial[k], dtype=np.float64) for k, value in zip(keys, clipped)}
+    dtypes = {key: np.asarray(final[key]).dtype for key in keys}
+    scale = 1.0
+    for attempt in range(_SHRINK_ATTEMPTS):
+        candidate = {key: (np.asarray(initial[key], dtype=np.float64) + scale * steps[key])
+                     .astype(dtypes[key]) for key in keys}
+        norm = update_norm(candidate, initial, keys)
+        if norm <= clipping_norm:
+            out.update(candidate)
+            return out
+        # Over by rounding: shrink by the excess and a margin that grows each attempt.
+        scale *= clipping_norm / norm * (1.0 - min(0.5, 1e-6 * 4.0 ** attempt))
+    out.update({key: np.asarray(initial[key]).astype(dtypes[key]) for key in keys})
     return out
+
+
+_SHRINK_ATTEMPTS = 16  # rounds of shrinking before a clipped update is dropped
 
 
 # What a generator drawn from the secret is for (SeedSequence spawn keys): the
