@@ -33,7 +33,6 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 from flwr.supercore.differential_privacy import (
     compute_adaptive_noise_params,
-    compute_clip_model_update,
     compute_stdv,
     get_norm,
 )
@@ -51,8 +50,8 @@ def update_norm(final: Mapping[str, np.ndarray], initial: Mapping[str, np.ndarra
 def clip_update(final: Mapping[str, np.ndarray], initial: Mapping[str, np.ndarray],
                 keys: Iterable[str], clipping_norm: float) -> ArrayDict:
     """``final`` with its update from ``initial`` over ``keys`` scaled down to L2 norm at
-    most ``clipping_norm`` (Flower's ``compute_clip_model_update``); an update within the
-    norm leaves ``final`` exactly as it is.
+    most ``clipping_norm`` (as Flower's ``compute_clip_model_update`` scales it); an
+    update within the norm leaves ``final`` exactly as it is.
 
     The norm that counts is the one the server measures, of what is sent: ``final``
     minus ``initial`` in float64 (:func:`update_norm`). Rounding ``initial`` plus the
@@ -63,13 +62,12 @@ def clip_update(final: Mapping[str, np.ndarray], initial: Mapping[str, np.ndarra
     check depends on nothing private."""
     keys = list(keys)
     out = dict(final)
-    if not keys or update_norm(final, initial, keys) <= clipping_norm:
+    norm = update_norm(final, initial, keys) if keys else 0.0
+    if norm <= clipping_norm:
         return out
-    clipped = [np.asarray(final[k]).copy() for k in keys]
-    compute_clip_model_update(clipped, [np.asarray(initial[k]) for k in keys], clipping_norm)
-    steps = {k: np.subtract(value, initial[k], dtype=np.float64) for k, value in zip(keys, clipped)}
+    steps = {key: np.subtract(final[key], initial[key], dtype=np.float64) for key in keys}
     dtypes = {key: np.asarray(final[key]).dtype for key in keys}
-    scale = 1.0
+    scale = clipping_norm / norm
     for attempt in range(_SHRINK_ATTEMPTS):
         candidate = {key: (np.asarray(initial[key], dtype=np.float64) + scale * steps[key])
                      .astype(dtypes[key]) for key in keys}

@@ -43,8 +43,8 @@ by the claim it supports, so the text can be held against it:
 * the wall times of the READMEs' tables against summary.json;
 * the top-level README's "When does FedSPC help?" table, rendered from the runs
   (per-seed Δ with its flags: two builds, resumed, an evaluation-only round, no
-  recorded code version, two kinds of CPU; mean ± SD, the horizon, the seed-mean curve's rounds ahead /
-  behind) and held against the README's block between its when-table markers
+  recorded code version, two kinds of CPU; mean ± SD, the horizon, the seed-mean
+  curve's rounds ahead / behind) and held against the README's block between its when-table markers
   (``--readme`` rewrites that block);
 * LG-FedAvg and FedRep at E = 5 over 30 rounds (P12, P13): Δ every five rounds, the
   rounds ahead / behind, the mean over rounds 21-30 with its seed spread, and the
