@@ -163,3 +163,24 @@ def test_the_tables_flag_a_pair_made_on_two_kinds_of_cpu(tmp_path, monkeypatch):
     config.pop("machine", None)
     path.write_text(json.dumps(config))
     assert "m" not in recompute.pair_flags("grid", "lgfedavg-s2", None, None, {})
+
+
+def test_the_tables_row_of_a_cell_with_seeds_to_run(tmp_path, monkeypatch):
+    # A longer horizon of a cell shows as its own row once two seeds are complete,
+    # naming the seeds still to run; with one seed it is not shown.
+    recompute = _recompute()
+    source = ROOT / "docs/results/cpu-cifar100-resnet34-e5"
+    for seed in (0, 1, 2):
+        for run in (f"lgfedavg-s{seed}", f"lgfedavg+fedspc-s{seed}"):
+            (tmp_path / "grid" / run).mkdir(parents=True)
+            for name in ("config.json", "metrics.json", "summary.json"):
+                (tmp_path / "grid" / run / name).write_text((source / run / name).read_text())
+    (tmp_path / "grid/lgfedavg+fedspc-s2/summary.json").unlink()  # seed 2 still running
+    monkeypatch.setattr(recompute, "RESULTS", tmp_path)
+    monkeypatch.setattr(recompute, "README_CELLS", [
+        (("ResNet-34", "head", 5), [("grid", f"lgfedavg-s{s}", None, None) for s in (0, 1, 2)])])
+    rows = recompute.when_table().splitlines()
+    assert len(rows) == 3
+    assert rows[2].startswith("| ResNet-34 | head | 5 | 0.1 | 10 | +2.58 ± 0.09 (+2.64, +2.52; seed 2 to run) |")
+    (tmp_path / "grid/lgfedavg-s1/summary.json").unlink()
+    assert len(recompute.when_table().splitlines()) == 2

@@ -791,16 +791,24 @@ def e5_thirty():
 def cell_pairs(specs):
     """The pairs of one prediction whose two runs are complete; the names of the missing."""
     done, missing = [], []
-    for grid, base, spc, spc_grid in specs:
-        spc = spc or twin(base)
-        paths = [RESULTS / grid / base, RESULTS / (spc_grid or grid) / spc]
+    for spec in specs:
+        grid, base, spc, spc_grid = spec
+        paths = _spec_paths(spec)
         if all(_complete(path) for path in paths):
-            seed = int(base.rpartition("-s")[2]) if "-s" in base else 0
-            done.append(Pair("cell", seed, grid, base, spc, spc_grid=spc_grid))
+            done.append(Pair("cell", _seed(base), grid, base, spc, spc_grid=spc_grid))
         else:
             state = ["committed" if _complete(path) else "not run" for path in paths]
-            missing.append(f"{grid}/{base} {state[0]}, {spc} {state[1]}")
+            missing.append(f"{grid}/{base} {state[0]}, {spc or twin(base)} {state[1]}")
     return done, missing
+
+
+def _spec_paths(spec) -> list:
+    grid, base, spc, spc_grid = spec
+    return [RESULTS / grid / base, RESULTS / (spc_grid or grid) / (spc or twin(base))]
+
+
+def _seed(base: str) -> int:
+    return int(base.rpartition("-s")[2]) if "-s" in base else 0
 
 
 def _complete(path: Path) -> bool:
@@ -918,23 +926,28 @@ def resnet34_e5():
 # The rows of the top-level README's "When does FedSPC help?" table, in its order:
 # (model, the shared block's words, E) -> the pair of each seed 0, 1, 2 as (grid, Base,
 # +FedSPC, grid of the +FedSPC run). A row is rendered once all three pairs are complete.
-README_CELLS = {
-    ("small CNN", "body (FedRep)", 1): [("cpu-cifar100-cnn-mismatch", "fedrep", None, None),
-                                       ("cpu-cifar100-cnn-seeds", "fedrep-s1", None, None),
-                                       ("cpu-cifar100-cnn-seeds", "fedrep-s2", None, None)],
-    ("small CNN", "head (LG-FedAvg)", 1): [("cpu-cifar100-cnn-mismatch", "lgfedavg", None, None),
-                                           ("cpu-cifar100-cnn-seeds", "lgfedavg-s1", None, None),
-                                           ("cpu-cifar100-cnn-seeds", "lgfedavg-s2", None, None)],
-    ("small CNN", "head (LG-FedAvg)", 5): [("cpu-cifar100-cnn-e5", "lgfedavg", None, None),
-                                           ("cpu-cifar100-cnn-e5-seeds", "lgfedavg-s1", None, None),
-                                           ("cpu-cifar100-cnn-e5-seeds", "lgfedavg-s2", None, None)],
-    ("ResNet-34, ¼ width", "body (FedRep)", 1): CELLS["P3"],
-    ("ResNet-34, ¼ width", "body (FedRep)", 5): [("cpu-cifar100-resnet34-e5", f"fedrep-s{s}", None, None)
-                                                for s in (0, 1, 2)],
-    ("ResNet-34, ¼ width", "head (LG-FedAvg)", 1): CELLS["P4"],
-    ("ResNet-34, ¼ width", "head (LG-FedAvg)", 5): CELLS["P10"],
-    ("ResNet-18, ¼ width", "body (FedRep)", 1): CELLS["P8"],
-}
+# The rows of the README's table: (model, shared block, E) and the pairs of its seeds in
+# seed order. Rows of one setting at two horizons are two rows. A row shows once two of
+# its seeds are complete, naming the seeds still to run.
+README_CELLS = [
+    (("small CNN", "body (FedRep)", 1), [("cpu-cifar100-cnn-mismatch", "fedrep", None, None),
+                                         ("cpu-cifar100-cnn-seeds", "fedrep-s1", None, None),
+                                         ("cpu-cifar100-cnn-seeds", "fedrep-s2", None, None)]),
+    (("small CNN", "head (LG-FedAvg)", 1), [("cpu-cifar100-cnn-mismatch", "lgfedavg", None, None),
+                                            ("cpu-cifar100-cnn-seeds", "lgfedavg-s1", None, None),
+                                            ("cpu-cifar100-cnn-seeds", "lgfedavg-s2", None, None)]),
+    (("small CNN", "head (LG-FedAvg)", 5), [("cpu-cifar100-cnn-e5", "lgfedavg", None, None),
+                                            ("cpu-cifar100-cnn-e5-seeds", "lgfedavg-s1", None, None),
+                                            ("cpu-cifar100-cnn-e5-seeds", "lgfedavg-s2", None, None)]),
+    (("ResNet-34, ¼ width", "body (FedRep)", 1), CELLS["P3"]),
+    (("ResNet-34, ¼ width", "body (FedRep)", 1), CELLS["P5"] + CELLS["P11"]),
+    (("ResNet-34, ¼ width", "body (FedRep)", 5), [("cpu-cifar100-resnet34-e5", f"fedrep-s{s}", None, None)
+                                                 for s in (0, 1, 2)]),
+    (("ResNet-34, ¼ width", "head (LG-FedAvg)", 1), CELLS["P4"]),
+    (("ResNet-34, ¼ width", "head (LG-FedAvg)", 5), CELLS["P10"]),
+    (("ResNet-34, ¼ width", "head (LG-FedAvg)", 5), CELLS["P12"]),
+    (("ResNet-18, ¼ width", "body (FedRep)", 1), CELLS["P8"]),
+]
 # The flags a reader needs beside a seed's Δ, with the legend's words.
 FLAGS = {
     "b": "the pair was made by two builds of the app",
@@ -1002,20 +1015,23 @@ def when_table() -> str:
     lines = ["| Model | Shared block | E | α | Rounds | Δ ± SD (seeds 0, 1, 2) | Rounds ahead / behind |",
              "|---|---|---:|---:|---:|---|---:|"]
     used = set()
-    for (model, block, epochs), specs in README_CELLS.items():
-        pairs, missing = cell_pairs(specs)
-        if missing or len(pairs) < 3:
+    for (model, block, epochs), specs in README_CELLS:
+        done = [spec for spec in specs if all(_complete(path) for path in _spec_paths(spec))]
+        if len(done) < 2:
             continue
+        pairs, _ = cell_pairs(done)
         _, _, finals, sd, (a, b) = seed_group(pairs, pairs[0].method, "cell")
-        alphas = {run_config(RESULTS / spec[0] / spec[1])["run-config"]["alpha"] for spec in specs}
+        alphas = {run_config(RESULTS / spec[0] / spec[1])["run-config"]["alpha"] for spec in done}
         seeds = []
-        for p, spec in zip(pairs, specs):
+        for p, spec in zip(pairs, done):
             flags = pair_flags(*spec, segments=segments)
             used |= set(flags)
             seeds.append(f(p.final()) + "".join(SUPERSCRIPT[x] for x in flags))
+        todo = [str(_seed(spec[1])) for spec in specs if spec not in done]
+        todo = f"; seed{'s' * (len(todo) > 1)} {', '.join(todo)} to run" if todo else ""
         lines.append(f"| {model} | {block} | {epochs} | {'/'.join(f'{x:g}' for x in sorted(alphas))}"
                      f" | {pairs[0].last} | {_minus(f(float(np.mean(finals))))} ± {sd:.2f}"
-                     f" ({_minus(', '.join(seeds))}) | {a} / {b} |")
+                     f" ({_minus(', '.join(seeds))}{todo}) | {a} / {b} |")
     legend = "; ".join(f"{SUPERSCRIPT[x]} {FLAGS[x]}" for x in FLAGS if x in used)
     return "\n".join(lines) + ("\n\n" + legend[0].upper() + legend[1:] + "." if legend else "")
 
