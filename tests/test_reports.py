@@ -17,6 +17,7 @@ from fedspc_app.experiments.records import (
     delta_text,
     load_records,
     paired_delta,
+    seed_delta_curves,
     summarize,
 )
 
@@ -201,7 +202,7 @@ def test_figures_and_report_files(grid_dir):
         "table1.md", "table1.csv", "table3.md", "table3.csv", "best.md", "best.csv",
         "pairs.md", "pairs.csv", "centralized.md", "centralized.csv", "runs.md", "runs.csv",
         "curves-S1-a0.1.png", "curves-S1-a1.png", "curves-S2-a0.1.png",
-        "partitions-cifar100.png", "delta.png", "report.md"])
+        "delta-curves-S1-a0.1.png", "partitions-cifar100.png", "delta.png", "report.md"])
     for path in written:
         if path.suffix == ".png":
             assert path.read_bytes()[:8] == PNG
@@ -419,6 +420,27 @@ def test_delta_chart_draws_only_the_alphas_that_have_a_delta(grid_dir, monkeypat
     caps = [line for line in s1.lines if len(line.get_ydata()) == 1]
     assert sorted(round(float(line.get_ydata()[0]), 2) for line in caps) == [3.79, 5.21]
     assert len(s2.patches) == 0 and s2.get_legend() is None
+
+
+def test_delta_curves_draw_each_paired_seed_and_their_mean(grid_dir, monkeypatch):
+    records = load_records(grid_dir)
+    # S1, α = 0.1: seed 0 Base (53, 50) against +FedSPC (50, 55), seed 1 (40, 52)
+    # against (50, 56); α = 1 has no +FedSPC run, S2 only a partial one.
+    curves = seed_delta_curves(records, method="fedrep", alpha=0.1, setting="S1")
+    assert {s: {r: round(d, 6) for r, d in c.items()} for s, c in curves.items()} == {
+        0: {1: -3.0, 2: 5.0}, 1: {1: 10.0, 2: 4.0}}
+    assert seed_delta_curves(records, method="fedrep", alpha=1.0, setting="S1") == {}
+    drawn = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: drawn.append(fig) or path)
+    assert plots.plot_delta_curves(records, "S1", 0.1, "d.png") == Path("d.png")
+    assert plots.plot_delta_curves(records, "S2", 0.1, "d.png") is None
+    (ax,) = [a for a in drawn[0].axes if a.get_visible()]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert list(lines["seed 1"].get_ydata()) == pytest.approx([10.0, 4.0])
+    assert list(lines["mean of 2 seeds"].get_ydata()) == pytest.approx([3.5, 4.5])
+    band = ax.collections[0].get_paths()[0].vertices[:, 1]  # the ± SD band's outline
+    assert max(band) == pytest.approx(3.5 + 13 / 2 ** 0.5)
+    assert min(band) == pytest.approx(3.5 - 13 / 2 ** 0.5)
 
 
 def test_the_curves_add_the_global_model_where_a_run_recorded_it(tmp_path, monkeypatch):

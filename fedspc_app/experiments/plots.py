@@ -28,6 +28,7 @@ from fedspc_app.experiments.records import (
     mean_curve,
     methods_of,
     same_alpha,
+    seed_delta_curves,
     seed_deltas,
     settings_of,
     split_title,
@@ -47,6 +48,27 @@ def save_figure(fig: Any, path: Path, *, dpi: int = 120) -> Path:
     return path
 
 
+def _panel_axes(count: int, max_cols: int, width: float, height: float) -> tuple[Any, list]:
+    """A figure of ``count`` panels, at most ``max_cols`` a row; the unused ones hidden."""
+    from matplotlib.figure import Figure
+
+    cols = min(count, max_cols)
+    fig = Figure(figsize=(width * cols, height * math.ceil(count / cols)), layout="constrained")
+    axes = list(fig.subplots(math.ceil(count / cols), cols, squeeze=False).ravel())
+    for ax in axes[count:]:
+        ax.set_visible(False)
+    return fig, axes[:count]
+
+
+def _round_panel(ax: Any, method: str, ylabel: str, legend_size: int) -> None:
+    """Title, axis labels, grid and legend of a per-round panel of one method."""
+    ax.set_title(display_method(method))
+    ax.set_xlabel("Round")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+
+
 # ------------------------------------------------------------------- accuracy
 def plot_curves(records: Sequence[ResultRecord], setting: str, alpha: float,
                 path: str | Path) -> Path | None:
@@ -57,7 +79,6 @@ def plot_curves(records: Sequence[ResultRecord], setting: str, alpha: float,
     runs with ``evaluate-global-model`` add their global model's accuracy, dotted.
     Returns None when no cell of that (setting, α) has recorded a round.
     """
-    from matplotlib.figure import Figure
 
     chosen = [r for r in records if r.kind == FEDERATED and r.setting == setting
               and same_alpha(r.alpha, alpha) and r.curve]
@@ -66,10 +87,7 @@ def plot_curves(records: Sequence[ResultRecord], setting: str, alpha: float,
         return None
     reference = cell_stat(records, method=CENTRALIZED, fedspc=False, alpha=None,
                           setting=setting, kind=CENTRALIZED)
-    cols = len(methods) if len(methods) <= 5 else 4
-    rows = math.ceil(len(methods) / cols)
-    fig = Figure(figsize=(3.4 * cols, 3.0 * rows), layout="constrained")
-    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    fig, axes = _panel_axes(len(methods), len(methods) if len(methods) <= 5 else 4, 3.4, 3.0)
     for ax, method in zip(axes, methods):
         for fedspc, colour, label in ((False, "C0", "Base"), (True, "C1", "+FedSPC")):
             runs = [r for r in chosen if r.method == method and r.fedspc == fedspc]
@@ -88,13 +106,7 @@ def plot_curves(records: Sequence[ResultRecord], setting: str, alpha: float,
         if reference.mean is not None:
             ax.axhline(reference.mean, color="0.4", linestyle="--", linewidth=1,
                        label="Centralized")
-        ax.set_title(display_method(method))
-        ax.set_xlabel("Round")
-        ax.set_ylabel("Accuracy (%)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    for ax in axes[len(methods):]:
-        ax.set_visible(False)
+        _round_panel(ax, method, "Accuracy (%)", 8)
     fig.suptitle(f"{setting}, {split_title(alpha)}")
     return save_figure(fig, Path(path))
 
@@ -203,6 +215,39 @@ def plot_deltas(records: Sequence[ResultRecord], path: str | Path) -> Path | Non
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.suptitle("FedSPC gain: +FedSPC − Base (final round); dots: seeds, bars: ± SD")
+    return save_figure(fig, Path(path))
+
+
+def plot_delta_curves(records: Sequence[ResultRecord], setting: str, alpha: float,
+                      path: str | Path) -> Path | None:
+    """Δ per round (+FedSPC − Base, points) for each method of one (setting, α): a thin
+    line per seed whose Base and +FedSPC runs are both complete, and over two seeds or
+    more their mean in bold with ± one sample SD shaded, on the rounds every seed has.
+    Whether a gain lasts or only comes early is read here. None without any such seed."""
+
+    panels = [(method, curves) for method in methods_of(
+                  [r for r in records if r.kind == FEDERATED and r.setting == setting])
+              if (curves := seed_delta_curves(records, method=method, alpha=alpha,
+                                              setting=setting))]
+    if not panels:
+        return None
+    fig, axes = _panel_axes(len(panels), 4, 3.6, 3.0)
+    for ax, (method, curves) in zip(axes, panels):
+        for seed, curve in curves.items():
+            ax.plot(list(curve), list(curve.values()), linewidth=0.9, alpha=0.7,
+                    label=f"seed {seed}")
+        common = sorted(set.intersection(*(set(c) for c in curves.values())))
+        if len(curves) > 1 and common:
+            stats = [summarize(c[step] for c in curves.values()) for step in common]
+            mean = [st.mean for st in stats]
+            ax.plot(common, mean, color="black", linewidth=2,
+                    label=f"mean of {len(curves)} seeds")
+            ax.fill_between(common, [m - st.std for m, st in zip(mean, stats)],
+                            [m + st.std for m, st in zip(mean, stats)], color="0.5",
+                            alpha=0.25, label="± SD")
+        ax.axhline(0.0, color="black", linewidth=0.8)
+        _round_panel(ax, method, "Δ accuracy (points)", 7)
+    fig.suptitle(f"+FedSPC − Base per round: {setting}, {split_title(alpha)}")
     return save_figure(fig, Path(path))
 
 

@@ -289,6 +289,22 @@ def seed_deltas(records: Iterable[ResultRecord], *, method: str, alpha: float | 
     return [(seed, spc[seed] - base[seed]) for seed in sorted(set(base) & set(spc))]
 
 
+def seed_delta_curves(records: Iterable[ResultRecord], *, method: str, alpha: float | None,
+                      setting: str) -> dict[int, dict[int, float]]:
+    """{seed: {round: Δ}} for each seed with a complete Base and +FedSPC run of the
+    cell, Δ being that round's +FedSPC accuracy minus the Base's (points), on the
+    rounds both runs evaluated; a seed whose runs share no round is left out."""
+    records = list(records)
+    base, spc = ({r.seed: dict(r.curve)
+                  for r in cell_runs(records, method=method, fedspc=fedspc, alpha=alpha,
+                                     setting=setting)}
+                 for fedspc in (False, True))
+    curves = {seed: {step: 100.0 * (spc[seed][step] - base[seed][step])
+                     for step in sorted(set(base[seed]) & set(spc[seed]))}
+              for seed in sorted(set(base) & set(spc))}
+    return {seed: curve for seed, curve in curves.items() if curve}
+
+
 def delta_over_shared_seeds(base: Sequence[ResultRecord], spc: Sequence[ResultRecord], *,
                             metric: str = "final") -> float | None:
     """Mean accuracy (%) of ``spc`` minus that of ``base``, both restricted to the

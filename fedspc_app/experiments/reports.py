@@ -28,6 +28,7 @@ from fedspc_app.core.files import atomic_write
 from fedspc_app.experiments.layout import slug
 from fedspc_app.experiments.plots import (
     plot_curves,
+    plot_delta_curves,
     plot_deltas,
     plot_drift,
     plot_partition_panels,
@@ -632,14 +633,12 @@ def write_report(records: Sequence[ResultRecord], out_dir: str | Path, *,
     figures: list[Path] = []
     for setting in settings_of(records):
         for alpha in alphas_of(r for r in records if r.setting == setting):
-            path = plot_curves(records, setting, alpha,
-                               out_dir / f"curves-{slug(setting)}-{split_slug(alpha)}.png")
-            if path:
-                figures.append(path)
-            path = plot_drift(records, setting, alpha,
-                              out_dir / f"drift-{slug(setting)}-{split_slug(alpha)}.png")
-            if path:
-                figures.append(path)
+            for prefix, plot in (("curves", plot_curves), ("delta-curves", plot_delta_curves),
+                                 ("drift", plot_drift)):
+                path = plot(records, setting, alpha,
+                            out_dir / f"{prefix}-{slug(setting)}-{split_slug(alpha)}.png")
+                if path:
+                    figures.append(path)
     figures += plot_partition_panels(records, out_dir)
     delta = plot_deltas(records, out_dir / "delta.png")
     if delta:
