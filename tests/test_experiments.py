@@ -28,6 +28,7 @@ from fedspc_app.experiments.grid import (
 from fedspc_app.experiments.pausing import resolve_target
 from fedspc_app.experiments.records import load_records
 from fedspc_app.experiments.runner import run_grid
+from fedspc_app.launch.runconfig import app_defaults
 from fedspc_app.launch.superlink import SimulationFailed
 from fedspc_app.runs.pause import PAUSE_REQUEST, RunPaused, request_pause
 from fedspc_app.runs.results import start_results
@@ -178,6 +179,28 @@ def test_bad_command_lines_are_one_line_on_stderr(tmp_path, capsys):
         assert captured.err.startswith("fedspc: ") and message in captured.err, argv
         assert captured.err.count("\n") == 1 and captured.out == "", argv
     assert not (tmp_path / "o").exists()
+
+
+def test_an_undeclared_x_key_fails_the_grid_before_anything_runs(tmp_path, monkeypatch):
+    # A SuperLink refuses a run-config key the app does not declare: the grid refuses
+    # it up front (run, list and --dry-run alike), not each cell once started.
+    spec = {"axes": {"method": ["fedper"]}}
+    with pytest.raises(ConfigError, match=r"cell fedper: run-config key\(s\) x-note are not"
+                                          r" declared .*x-note = "):
+        grid_of(spec, tmp_path, overrides={"x-note": "a"})
+    with pytest.raises(ConfigError, match="x-tag are not declared"):
+        grid_of({"base": {"x-tag": 1}, **spec}, tmp_path)
+    declared = {**app_defaults(), "x-note": ""}
+    grid = grid_of(spec, tmp_path, overrides={"x-note": "a"}, defaults=declared)
+    assert grid.cells[0].run_config["x-note"] == "a"
+    calls = []
+    monkeypatch.setattr(runner, "run_federated_cell", lambda *a, **k: calls.append(a))
+    path = write_yaml(tmp_path / "g.yaml", spec)
+    for command in (["run"], ["run", "--dry-run"], ["list"]):
+        argv = [command[0], str(path), "--output-dir", str(tmp_path / "o"), *command[1:],
+                "--set", "x-note='a'"]
+        assert cli.main(argv) == 2, command
+    assert calls == [] and not (tmp_path / "o").exists()
 
 
 def test_set_overrides_every_cell_but_not_an_axis(tmp_path):

@@ -70,7 +70,7 @@ CACHE_DIR_ENV = "FEDSPC_CACHE_DIR"
 def resolve_reference(reference: str, aggregation: str, dp: bool) -> str:
     """How FedSPC's u_bar follows the clients, ``fedspc-reference`` with ``auto``
     resolved: Algorithm 1's ``increment`` under the mean (and under differential
-    privacy, which releases no client's own reference change), ``client-centre``
+    privacy, which releases no client's own reference change), ``server-centre``
     under a robust rule, so that u_bar is as robust as the shared block
     (docs/robustness.md)."""
     if reference != "auto":

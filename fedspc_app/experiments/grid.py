@@ -39,6 +39,7 @@ from fedspc_app.launch.runconfig import (
     APP_DIR,
     absolute_paths,
     app_defaults,
+    check_declared,
     check_resources,
     read_toml,
 )
@@ -333,9 +334,14 @@ def _simulation(raw: Any) -> SimulationSettings:
     return SimulationSettings(clients, cpus, gpus, timeout)
 
 
-def _validate(name: str, config: Mapping[str, Any]) -> dict[str, Any]:
-    """The cell's full run-config, or a ConfigError naming the cell."""
+def _validate(name: str, config: Mapping[str, Any],
+              declared: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The cell's full run-config, or a ConfigError naming the cell; with ``declared``
+    (the app's defaults: a federated cell, which a SuperLink runs) also its ``x-`` keys
+    checked against them."""
     try:
+        if declared is not None:
+            check_declared(config, declared)
         return parse_run_config(config).to_dict()
     except ConfigError as error:
         raise ConfigError(f"cell {name}: {error}") from None
@@ -447,7 +453,7 @@ def expand_grid(spec: Mapping[str, Any], *, name: str, base_dir: Path | None = N
         config = absolute_paths(config)
         cells.append(Cell(name=cell_name, kind="federated", assignment=assignment,
                           setting=_setting_label(axes, assignment, config),
-                          run_config=_validate(cell_name, config)))
+                          run_config=_validate(cell_name, config, defaults)))
     if not cells:
         raise ConfigError(f"grid {grid_name!r} has no cells (everything excluded?)")
     cells += _centralized_cells(spec.get("centralized"), axes, cells, defaults, base_dir)

@@ -8,7 +8,7 @@ import os
 import re
 import tempfile
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,19 +51,25 @@ def absolute_paths(run_config: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def resolve_run_config(overrides: Mapping[str, Any], app_dir: Path = APP_DIR
-                       ) -> tuple[dict[str, Any], RunConfig]:
-    """The app's defaults, then ``overrides``, paths absolute; and that, parsed and checked."""
-    declared = app_defaults(app_dir)
-    undeclared = sorted(key for key in overrides
-                        if str(key).startswith("x-") and key not in declared)
+def check_declared(keys: Iterable[str], declared: Mapping[str, Any],
+                   app_dir: Path = APP_DIR) -> None:
+    """A ConfigError naming the ``x-`` keys among ``keys`` that ``declared`` (the app's
+    ``[tool.flwr.app.config]``) lacks: Flower's SuperLink refuses a run-config key the
+    app does not declare, so such a run would fail only once started."""
+    undeclared = sorted(key for key in keys if str(key).startswith("x-") and key not in declared)
     if undeclared:
-        # Flower's SuperLink refuses a run-config key the app does not declare.
         raise ConfigError(
             f"run-config key(s) {', '.join(undeclared)} are not declared in "
             f"[tool.flwr.app.config] of {Path(app_dir) / 'pyproject.toml'}; a SuperLink "
             f"refuses undeclared keys: add each there with a default (e.g. "
             f"{undeclared[0]} = \"\") first")
+
+
+def resolve_run_config(overrides: Mapping[str, Any], app_dir: Path = APP_DIR
+                       ) -> tuple[dict[str, Any], RunConfig]:
+    """The app's defaults, then ``overrides``, paths absolute; and that, parsed and checked."""
+    declared = app_defaults(app_dir)
+    check_declared(overrides, declared, app_dir)
     defaults = absolute_paths({"output-dir": "results", **declared})
     merged = {**defaults, **absolute_paths(overrides)}
     return merged, parse_run_config(merged)
