@@ -225,6 +225,44 @@ def test_pairs_compare_seed_mean_curves_on_complete_pairs_only(grid_dir):
     assert table.notes == ()
 
 
+def test_pairs_compare_on_the_rounds_every_paired_run_recorded(tmp_path):
+    # +FedSPC is 2 points ahead at every round of both seeds; seed 1's Base did not
+    # evaluate round 3 (a failed round). Round 3's means would be of different seeds
+    # (Base: seed 0 alone, 58; +FedSPC: both, 50) and give -8: round 2 is the last.
+    grid = tmp_path / "grid"
+    cells = [write_run(grid, f"{name}-s{seed}", setting="S", fedspc="+" in name, seed=seed,
+                       final=curve[-1], curve=curve,
+                       series={"accuracy-before-aggregation": tuple(a + 0.01 for a in curve),
+                               "drift-dispersion": (1.0,) * 3})
+             for name, seed, curve in (("fedrep", 0, (0.58,) * 3), ("fedrep+fedspc", 0, (0.6,) * 3),
+                                       ("fedrep", 1, (0.38,) * 3), ("fedrep+fedspc", 1, (0.4,) * 3))]
+    metrics = grid / "fedrep-s1" / "metrics.json"
+    rows = json.loads(metrics.read_text())
+    rows["rounds"][2].pop("accuracy")  # measured before aggregation, not after
+    metrics.write_text(json.dumps(rows))
+    (grid / layout.GRID_JSON).write_text(json.dumps({"name": "grid", "cells": cells}))
+    records = load_records(grid)
+    row = reports.pairs_table(records).csv_rows[0]
+    assert row[3] == 2 and row[5:10] == [48.0, 50.0, 2.0, 2.0, 2.0]
+    assert row[10:12] == [2, 0]  # rounds ahead / behind
+    # The averaging gap is each run's own (+1 point at every round), then their mean.
+    gaps = [r[-2] for r in reports.drift_table(records).csv_rows]
+    assert len(gaps) == 2 and gaps == pytest.approx([1.0, 1.0])  # rounds 2-3, each side
+
+
+def test_the_accuracy_figure_leaves_out_failed_and_partial_runs(tmp_path, monkeypatch):
+    grid = tmp_path / "grid"
+    cells = [write_run(grid, "fedrep-s0", setting="S", final=0.5, curve=(0.5, 0.5)),
+             write_run(grid, "fedrep-s1", setting="S", seed=1, final=0.52, curve=(0.52, 0.52)),
+             write_run(grid, "fedrep-s2", setting="S", seed=2, curve=(0.01,), state="partial")]
+    (grid / layout.GRID_JSON).write_text(json.dumps({"name": "grid", "cells": cells}))
+    drawn = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: drawn.append(fig) or path)
+    plots.plot_curves(load_records(grid), "S", 0.1, "curves.png")
+    (base,) = drawn[0].axes[0].get_lines()
+    assert list(base.get_ydata()) == pytest.approx([51.0, 51.0])
+
+
 @pytest.mark.parametrize(("segments", "code", "notes"), [
     # Both runs of each seed by one code version (seeds may differ from each other).
     ({"b0": [(1, "a" * 64)], "s0": [(1, "a" * 64)], "b1": [(1, "c" * 64)],

@@ -77,11 +77,12 @@ def plot_curves(records: Sequence[ResultRecord], setting: str, alpha: float,
     One panel per method; the lines are means over seeds (shaded ± std). The
     centralized reference of the setting, when there is one, is a dashed line;
     runs with ``evaluate-global-model`` add their global model's accuracy, dotted.
-    Returns None when no cell of that (setting, α) has recorded a round.
+    Complete runs only, as in the tables. Returns None when no complete run of that
+    (setting, α) has recorded a round.
     """
 
-    chosen = [r for r in records if r.kind == FEDERATED and r.setting == setting
-              and same_alpha(r.alpha, alpha) and r.curve]
+    chosen = [r for r in records if r.complete and r.kind == FEDERATED
+              and r.setting == setting and same_alpha(r.alpha, alpha) and r.curve]
     methods = methods_of(chosen)
     if not methods:
         return None
@@ -122,11 +123,11 @@ DRIFT_PANELS = (
 def plot_drift(records: Sequence[ResultRecord], setting: str, alpha: float,
                path: str | Path) -> Path | None:
     """The drift diagnostics per round (rows) for each method (columns) of one
-    (setting, α), base and +FedSPC; means over seeds. None without any recorded."""
+    (setting, α), base and +FedSPC; means over the complete runs. None without any."""
     from matplotlib.figure import Figure
 
-    chosen = [r for r in records if r.kind == FEDERATED and r.setting == setting
-              and same_alpha(r.alpha, alpha)
+    chosen = [r for r in records if r.complete and r.kind == FEDERATED
+              and r.setting == setting and same_alpha(r.alpha, alpha)
               and any(key in r.series for key, _, _ in DRIFT_PANELS)]
     methods = methods_of(chosen)
     if not methods:

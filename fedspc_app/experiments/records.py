@@ -415,13 +415,18 @@ def split_slug(alpha: float | str) -> str:
 def mean_curve(records: Iterable[ResultRecord], series: str | None = None
                ) -> tuple[list[int], list[float], list[float]]:
     """Rounds, mean accuracy (%) and its sample std (0 for one run) across records;
-    with ``series``, the mean and std of that per-round metric instead."""
+    with ``series``, the mean and std of that per-round metric instead, over the
+    records that recorded it at all. Only the rounds each of those has count: a round
+    one run did not record (a failed round is not evaluated) would otherwise be the
+    mean of the others, another set of seeds."""
     by_round: dict[int, list[float]] = {}
+    holders = 0
     for record in records:
         points = record.curve if series is None else record.series.get(series, ())
         scale = 100.0 if series is None else 1.0
+        holders += bool(points)
         for step, value in points:
             by_round.setdefault(step, []).append(scale * value)
-    steps = sorted(by_round)
+    steps = sorted(step for step, values in by_round.items() if len(values) == holders)
     stats = [summarize(by_round[s]) for s in steps]
     return steps, [s.mean for s in stats], [s.std or 0.0 for s in stats]

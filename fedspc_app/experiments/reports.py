@@ -323,6 +323,20 @@ def _curve(runs: Sequence[ResultRecord]) -> dict[int, float]:
     return dict(zip(steps, mean))
 
 
+def _averaging_gap(runs: Sequence[ResultRecord]) -> dict[int, float]:
+    """Accuracy before aggregation minus after it (points) by round: each run's gap,
+    then their mean on the rounds every run that recorded both has."""
+    gaps = []
+    for run in runs:
+        before, after = dict(run.series.get(BEFORE_AGGREGATION, ())), dict(run.curve)
+        if before:
+            gaps.append({s: 100.0 * (before[s] - after[s]) for s in before if s in after})
+    if not gaps:
+        return {}
+    common = set.intersection(*(set(gap) for gap in gaps))
+    return {s: statistics.fmean(gap[s] for gap in gaps) for s in sorted(common)}
+
+
 def _client_means(runs: Sequence[ResultRecord]) -> dict[str, float]:
     """Each client's accuracy (%) in the last evaluated round, mean over ``runs``."""
     values: dict[str, list[float]] = {}
@@ -464,10 +478,7 @@ def drift_table(records: Sequence[ResultRecord]) -> Table:
                         continue
                     points = {key: dict(zip(*mean_curve(chosen, series=key)[:2]))
                               for key, _, _ in DRIFT_TABLE_COLUMNS}
-                    before = dict(zip(*mean_curve(chosen, series=BEFORE_AGGREGATION)[:2]))
-                    after = dict(zip(*mean_curve(chosen)[:2]))
-                    points[AVERAGING_GAP] = {s: 100.0 * before[s] - after[s]
-                                             for s in before if s in after}
+                    points[AVERAGING_GAP] = _averaging_gap(chosen)
                     last = max(step for r in chosen for step, _ in r.curve)
                     for window in halves(last):
                         means = [_window_mean(points[key], window)
