@@ -169,6 +169,44 @@ def test_runs_table(grid_dir):
     assert "centralized-S1,centralized,complete,3,70.0,71.0,2,3725.4,unrecorded" in csv_lines
 
 
+def test_a_run_made_under_other_settings_than_its_cell_is_stale_not_complete(tmp_path):
+    # The grid now asks 20 rounds; Base seed 1 is a finished 10-round run (left from
+    # a shorter horizon), and fedrep-s2's folder holds a seed-0 run (made with --set
+    # seed=0). +FedSPC is +1 point on each seed.
+    grid = tmp_path / "grid"
+    cells = []
+    for fedspc in (False, True):
+        for seed, rounds in ((0, 20), (1, 10 if not fedspc else 20)):
+            name = f"fedrep{'+fedspc' if fedspc else ''}-s{seed}"
+            curve = tuple(0.30 + 0.01 * fedspc + 0.01 * i for i in range(rounds))
+            cells.append(write_run(grid, name, setting="S", fedspc=fedspc, seed=seed,
+                                   final=curve[-1], curve=curve))
+            cells[-1]["run-config"]["num-rounds"] = 20
+    moved = write_run(grid, "fedrep-s2", setting="S", seed=0, final=0.1, curve=(0.1,) * 20)
+    moved["run-config"]["seed"] = 2
+    cells.append(moved)
+    (grid / layout.GRID_JSON).write_text(json.dumps({"name": "grid", "cells": cells}))
+    records = {r.name: r for r in load_records(grid)}
+    stale, moved = records["fedrep-s1"], records["fedrep-s2"]
+    assert (stale.status, stale.changes, stale.complete, stale.rounds) == (
+        "stale", ("num-rounds",), False, 10)
+    # The row keys are the run's own: a seed-0 run is not reported as seed 2.
+    assert (moved.status, moved.changes, moved.seed) == ("stale", ("seed",), 0)
+    assert [r.status for r in records.values()].count("complete") == 3
+    # Δ is +1 on seed 0, the only seed both sides ran at 20 rounds.
+    assert reports.to_markdown(reports.table3(list(records.values()))).splitlines()[2] == (
+        "| FedRep | 0.1 | 49.00 | 50.00 ± 0.00 | +1.00 |")
+    runs = reports.runs_table(list(records.values()))
+    assert runs.rows[1][:3] == ["fedrep-s1", "stale", "10"]
+    assert runs.notes == (
+        ("Stale: finished under other settings than the grid's cell now (in parentheses), "
+         "so no table counts them; delete a run's folder and run the grid again to rerun "
+         "it: fedrep-s1 (num-rounds), fedrep-s2 (seed)."),)
+    reports.write_report(list(records.values()), grid / "report")
+    assert "3 of 5 cells complete (2 stale: see Runs)" in (
+        grid / "report" / "report.md").read_text()
+
+
 def test_stat_and_delta_text():
     assert summarize([]).text() == "—"
     assert summarize([12.345]).text() == "12.35"

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from fedspc_app.core.config import resolved_settings
+from fedspc_app.runs.checkpoint import FORMER_DEFAULTS
 
 GRID_JSON = "grid.json"
 FAILURES_JSON = "failures.json"
@@ -22,6 +26,19 @@ RESULT_IRRELEVANT = frozenset({
     "keep-client-state", "client-state-dir", "overwrite", "tensorboard", "wandb",
     "wandb-project", "wandb-entity", "wandb-mode", "stop-by"})
 """Run-config keys that may change without invalidating a finished run."""
+
+
+def result_changes(run_config: Mapping[str, Any], recorded: Any) -> list[str]:
+    """The run-config keys whose value differs between a grid cell (``run_config``)
+    and the run in its folder (``recorded``: its ``config.json``), but for
+    :data:`RESULT_IRRELEVANT`; [] without a recorded run-config. The runner notes
+    such a finished run, and the report does not count it as the cell's result."""
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("run-config"), dict):
+        return []
+    # A key the run did not record had the value it had then (as for a checkpoint).
+    old = resolved_settings({**FORMER_DEFAULTS, **recorded["run-config"]})
+    return sorted(key for key, value in resolved_settings(run_config).items()
+                  if key not in RESULT_IRRELEVANT and key in old and old[key] != value)
 
 
 def slug(text: str) -> str:

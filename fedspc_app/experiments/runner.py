@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from fedspc_app.core.config import parse_stop_by, resolved_settings
+from fedspc_app.core.config import parse_stop_by
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.files import atomic_write, holder_text, lock_holder
 from fedspc_app.experiments.estimate import Estimate, estimate, machine_label, timed_runs
@@ -32,14 +32,14 @@ from fedspc_app.experiments.layout import (
     FAILURES_JSON,
     GRID_JSON,
     LOGS_DIR,
-    RESULT_IRRELEVANT,
     read_failures,
     read_json,
+    result_changes,
 )
 from fedspc_app.launch.processes import run_logged
 from fedspc_app.launch.runconfig import run_config_file
 from fedspc_app.launch.superlink import LocalSuperLink, SimulationFailed, run_simulation
-from fedspc_app.runs.checkpoint import CHECKPOINT_JSON, FORMER_DEFAULTS, saved_progress
+from fedspc_app.runs.checkpoint import CHECKPOINT_JSON, saved_progress
 from fedspc_app.runs.pause import PAUSE_REQUEST, RunPaused, clear_pause, pause_requested
 from fedspc_app.runs.provenance import machine
 from fedspc_app.runs.results import CONFIG_JSON, METRICS_JSON, SUMMARY_JSON, format_duration
@@ -74,13 +74,7 @@ def _extends(cell: Cell, summary: Any) -> int | None:
 
 def config_changes(cell: Cell) -> list[str]:
     """Run-config keys whose value differs between the grid and the finished run."""
-    recorded = read_json(cell.run_dir / CONFIG_JSON)
-    if not isinstance(recorded, dict) or not isinstance(recorded.get("run-config"), dict):
-        return []
-    # A key the run did not record had the value it had then (as for a checkpoint).
-    old = resolved_settings({**FORMER_DEFAULTS, **recorded["run-config"]})
-    return sorted(key for key, value in resolved_settings(cell.run_config).items()
-                  if key not in RESULT_IRRELEVANT and key in old and old[key] != value)
+    return result_changes(cell.run_config, read_json(cell.run_dir / CONFIG_JSON))
 
 
 def _grew(cell: Cell, changed: Sequence[str], summary: Any) -> bool:
