@@ -661,6 +661,24 @@ def test_a_paused_cell_stops_the_grid_without_counting_as_failed(tmp_path):
     assert again.calls == [c.name for c in grid.cells[1:]]
 
 
+def test_progress_counts_only_finished_cells_as_done(tmp_path):
+    # The first cell fails, the second pauses: no cell is done. A cell that failed
+    # before (not retried) is not run, and the numbering goes on after it.
+    grid = small_grid(tmp_path)
+    fake, lines = PausingRunner(grid, pause=grid.cells[1].name), []
+    fake.fail = {grid.cells[0].name}
+    outcome = run_grid(grid, grid.cells, runner=fake, echo=lines.append)
+    assert outcome.paused and list(outcome.failed) == [grid.cells[0].name]
+    assert lines[3].startswith(f"[2/4] {grid.cells[1].name}: ")
+    assert lines[-1] == ("Grid g paused on request with 0 of 4 selected cells done; "
+                         "the same command continues it.")
+    lines = []
+    run_grid(grid, grid.cells, runner=FakeRunner(), echo=lines.append)
+    assert "1 failed before" in lines[0]
+    assert [line.split()[0] for line in lines[1:7]] == ["[2/4]"] * 2 + ["[3/4]"] * 2 + [
+        "[4/4]"] * 2
+
+
 def test_a_grid_pause_between_cells_and_a_stale_one(tmp_path):
     grid = small_grid(tmp_path)
     fake = PausingRunner(grid, request=grid.cells[1].name)  # --after-cell: it finishes

@@ -340,9 +340,12 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
     outcome = GridOutcome()
     todo = _todo(grid, cells, failures, outcome, retry_failed, echo)
     total = len(cells)
-    done = len(outcome.skipped)
+    # A cell's number is its place in the run (after the cells not run); only
+    # finished cells count as done, not failed ones.
+    before = total - len(todo)
     measured = _measured_eta(grid, todo)
-    echo(f"Grid {grid.name}: {total} cells in {grid.directory}; {done} done, "
+    echo(f"Grid {grid.name}: {total} cells in {grid.directory}; {len(outcome.skipped)} "
+         "done, "
          f"{len(todo)} to run" + (f", {len(outcome.failed)} failed before (not retried; "
                                   "--retry-failed reruns them)" if outcome.failed else "")
          + (f"; ≈ {format_duration(measured)} by the rounds measured so far"
@@ -350,19 +353,20 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
     times = GridTimes(clock())
     overheads: list[float] = []
     for index, cell in enumerate(todo, start=1):
+        number = f"[{before + index}/{total}]"
         if pause_requested(grid.directory, since):
             outcome.paused = True
             break
         late = _past_stop_by(grid, cell, wall())
         if late:
             outcome.paused, outcome.pause_reason = True, late
-            echo(f"[{done + 1}/{total}] {cell.name} not started: {late}")
+            echo(f"{number} {cell.name} not started: {late}")
             break
         log_file = log_path(grid, cell)
         log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(log_file, "a", encoding="utf-8") as handle:
             handle.write(f"\n=== {cell.name} | {_now()} | {describe(cell)}\n")
-        echo(f"[{done + 1}/{total}] {cell.name}: {describe(cell)}{progress_note(cell)}")
+        echo(f"{number} {cell.name}: {describe(cell)}{progress_note(cell)}")
         cell_started = clock()
         # Under differential privacy a cell's time grows with how many clients its
         # rounds drew: its line gives no time (nor the elapsed time and ETA it moves).
@@ -374,7 +378,7 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
             outcome.paused, outcome.pause_reason = True, paused.reason
             why = f" ({paused.reason})" if paused.reason else ""
             times.add(clock() - cell_started, private)
-            echo(f"[{done + 1}/{total}] {cell.name} paused after round {paused.after_round}"
+            echo(f"{number} {cell.name} paused after round {paused.after_round}"
                  f" of {paused.num_rounds}{why}"
                  + ("" if private else f" | {times.elapsed(clock())}"))
             break
@@ -401,10 +405,8 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
             result = ("done" if private else f"done in {format_duration(seconds)}") + (
                 f", final accuracy {100 * final:.2f}%" if isinstance(final, (int, float))
                 else "")
-        done += 1
         if private:
-            echo(f"[{done}/{total}] {cell.name} {result} (no times under differential "
-                 "privacy)")
+            echo(f"{number} {cell.name} {result} (no times under differential privacy)")
             continue
         # Measured rounds predict the rest best; else the (non-private) cells run so
         # far (failed cells often stop early, so successful ones predict better).
@@ -413,7 +415,7 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
             measured += statistics.median(overheads) * (len(todo) - index)
         eta = format_duration(measured if measured is not None
                               else times.mean() * (len(todo) - index))
-        echo(f"[{done}/{total}] {cell.name} {result} | {times.elapsed(clock())} | ETA {eta}")
+        echo(f"{number} {cell.name} {result} | {times.elapsed(clock())} | ETA {eta}")
     if outcome.failed:
         echo(f"{len(outcome.failed)} cell(s) failed:")
         for name, log in outcome.failed.items():
@@ -421,6 +423,7 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
     if outcome.paused:
         how = (f"at its stop-by time ({outcome.pause_reason.removeprefix('stop-by ')})"
                if outcome.pause_reason else "on request")
+        done = len(outcome.skipped) + len(outcome.ran)
         echo(f"Grid {grid.name} paused {how} with {done} of {total} selected cells "
              "done; the same command continues it.")
     elif not outcome.failed:
