@@ -249,6 +249,26 @@ def test_only_filters_cells_and_rejects_typos(tmp_path):
         parse_only(["method"])
 
 
+def test_an_only_selection_of_no_cell_is_one_error_saying_why(tmp_path, capsys):
+    spec = {"axes": {"method": ["fedrep", "fedper"], "alpha": [0.1, 1.0]},
+            "exclude": [{"method": "fedrep", "alpha": 1.0}]}
+    path = write_yaml(tmp_path / "g.yaml", spec)
+    argv = ["run", str(path), "--output-dir", str(tmp_path / "out"), "--no-report"]
+    assert cli.main([*argv, "--only", "mode=centralized"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "fedspc: --only mode=centralized: selects no cell of grid 'g': the grid has no "
+        "centralized references (no 'centralized' block)")
+    assert cli.main([*argv, "--only", "method=fedrep", "--only", "alpha=1.0"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "fedspc: --only method=fedrep alpha=1.0: selects no cell of grid 'g': the grid's "
+        "exclude drops them (method: fedrep, alpha: 1.0)")
+    assert not (tmp_path / "out" / "g").exists()  # nothing ran, no report
+    grid = grid_of({**spec, "centralized": {"epochs": 1}}, tmp_path)
+    with pytest.raises(ConfigError, match="the centralized references have no axis method"):
+        filter_cells(grid, parse_only(["mode=centralized", "method=fedrep"]))
+    assert len(filter_cells(grid, parse_only(["mode=centralized"]))) == 1
+
+
 def test_shipped_grids_expand_to_the_papers_tables():
     table1 = load_grid(REPO / "conf/experiments/table1.yaml", output_dir="/tmp/unused")
     assert len(table1.cells) == 8 * 3 * 4
