@@ -517,6 +517,44 @@ def test_a_finished_cell_is_extended_when_only_its_rounds_grew_and_it_can_be(tmp
             "folder to rerun it") in lines
 
 
+def test_a_reference_of_other_epochs_and_a_run_of_another_k_are_noted_not_extended(tmp_path):
+    # The reference ran 5 constant-rate epochs; the grid asks 200 cosine ones. The
+    # federated runs had K = 10 simulated clients (num-clients 0); the grid now has
+    # 20, and 20 rounds: not extended, noted, and stale in the report.
+    spec = {"axes": {"method": ["fedper"], "fedspc": [False, True]},
+            "simulation": {"clients": 20},
+            "centralized": {"epochs": 200, "lr-schedule": "cosine"}}
+    grid = grid_of(spec, tmp_path)
+    base, spc, reference = grid.cells
+    finished_with(base, rounds=5, can_extend=True)
+    finished_with(spc, rounds=10, can_extend=True)
+    finish(reference)
+    for cell in (base, spc):
+        config = json.loads((cell.run_dir / "config.json").read_text())
+        (cell.run_dir / "config.json").write_text(json.dumps({**config, "num-clients": 10}))
+    (reference.run_dir / "config.json").write_text(json.dumps({
+        "run-config": reference.run_config, "mode": "centralized",
+        "centralized": {**reference.centralized, "epochs": 5, "lr-schedule": "constant"}}))
+    assert runner.config_changes(reference) == ["epochs", "lr-schedule"]
+    assert runner.config_changes(spc, 20) == ["num-clients"]
+    assert runner.config_changes(spc, 10) == [] and runner.is_done(spc, 10)
+    assert runner.extension(base, 10) == 5 and runner.extension(base, 20) is None
+    fake, lines = FakeRunner(), []
+    run_grid(grid, grid.cells, runner=fake, echo=lines.append)
+    assert fake.calls == []
+    assert (f"note: {base.name} finished with different num-clients, num-rounds; delete "
+            "its folder to rerun it") in lines
+    assert (f"note: {reference.name} finished with different epochs, lr-schedule; delete "
+            "its folder to rerun it") in lines
+    records = {r.name: r for r in load_records(grid.directory)}  # grid.json: K = 20
+    assert {name: (r.status, r.changes) for name, r in records.items()} == {
+        base.name: ("stale", ("num-clients", "num-rounds")),
+        spc.name: ("stale", ("num-clients",)),
+        reference.name: ("stale", ("epochs", "lr-schedule"))}
+    assert [r.status for r in load_records(grid.directory, [c.to_dict() for c in grid.cells],
+                                           clients=10)][1:] == ["complete", "stale"]
+
+
 def test_a_failing_cell_is_recorded_and_the_others_still_run(tmp_path):
     grid = small_grid(tmp_path)
     bad = grid.cells[1].name

@@ -113,13 +113,15 @@ def display_method(method: str) -> str:
 
 
 def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
-                failed: bool = False) -> ResultRecord:
+                failed: bool = False, clients: int | None = None) -> ResultRecord:
     """The record of one results folder ``run_dir`` (which may not exist yet).
 
     ``cell`` is the cell's ``grid.json`` entry; without it everything comes from
     the folder's ``config.json`` and the setting is ``<dataset>-<model>``. A finished
-    run whose settings (or number of rounds) differ from the cell's is ``stale``.
-    ``failed``: the cell is recorded as failed (shown when it did not finish).
+    run whose settings (or number of rounds) differ from the cell's is ``stale``;
+    ``clients``, the grid's simulated clients, is a federated cell's K where its
+    num-clients is 0. ``failed``: the cell is recorded as failed (shown when it did
+    not finish).
     """
     config = read_json(run_dir / "config.json")
     config = config if isinstance(config, dict) else {}
@@ -149,16 +151,16 @@ def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
                                   if isinstance(r, dict)
                                   and isinstance(r.get(key), (int, float))))}
 
-    clients = next((r["client-accuracy"] for r in reversed(rows) if isinstance(r, dict)
-                    and isinstance(r.get("client-accuracy"), dict)), {})
+    by_client = next((r["client-accuracy"] for r in reversed(rows) if isinstance(r, dict)
+                      and isinstance(r.get("client-accuracy"), dict)), {})
     held_out = next((float(r[HELD_OUT]) for r in reversed(rows) if isinstance(r, dict)
                      and isinstance(r.get("accuracy"), (int, float))
                      and isinstance(r.get(HELD_OUT), (int, float))), None)
 
     changes: list[str] = []
     if cell is not None:
-        changes = (_changes(rc, config, summary) if kind == FEDERATED
-                   else result_changes(rc, config))
+        changes = (_changes(rc, config, summary, clients) if kind == FEDERATED
+                   else result_changes(rc, config, centralized=cell.get("centralized")))
     finished = summary.get("complete") is True
     if finished:
         status = STALE if changes else "complete"
@@ -199,7 +201,7 @@ def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
         curve=curve,
         run_dir=run_dir,
         series=series,
-        client_accuracy={str(k): float(v) for k, v in clients.items()
+        client_accuracy={str(k): float(v) for k, v in by_client.items()
                          if isinstance(v, (int, float))},
         client_train_sizes=_train_sizes(run_dir) if kind == FEDERATED else {},
         code=_code_segments(config),
@@ -209,11 +211,11 @@ def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
 
 
 def _changes(run_config: Mapping[str, Any], config: Mapping[str, Any],
-             summary: Mapping[str, Any]) -> list[str]:
+             summary: Mapping[str, Any], clients: int | None) -> list[str]:
     """The settings a federated run (``config``, ``summary``) differs in from its
-    cell's ``run_config``: its run-config, and its rounds if they are not the cell's
-    num-rounds (a run the grid has since lengthened, or one made with --set)."""
-    changes = result_changes(run_config, config)
+    cell's ``run_config``: its run-config and K, and its rounds if they are not the
+    cell's num-rounds (a run the grid has since lengthened, or one made with --set)."""
+    changes = result_changes(run_config, config, clients=clients)
     rounds, wanted = summary.get("rounds"), run_config.get("num-rounds")
     if isinstance(rounds, int) and isinstance(wanted, int) and rounds != wanted:
         changes = sorted({*changes, "num-rounds"})
@@ -240,22 +242,26 @@ def _train_sizes(run_dir: Path) -> dict[str, int]:
     return {str(k): int(row.sum()) for k, row in enumerate(counts)}
 
 
-def load_records(grid_dir: str | Path,
-                 cells: Sequence[Mapping[str, Any]] | None = None) -> list[ResultRecord]:
+def load_records(grid_dir: str | Path, cells: Sequence[Mapping[str, Any]] | None = None,
+                 clients: int | None = None) -> list[ResultRecord]:
     """One record per cell of a grid folder.
 
-    The cells come from ``cells`` (a grid's expansion), else the folder's
-    ``grid.json``, else every sub-folder holding a ``config.json``; cells without
-    results become ``missing`` records, so that tables show them as ``—``.
+    The cells come from ``cells`` (a grid's expansion, run with ``clients``
+    simulated clients), else the folder's ``grid.json``, else every sub-folder
+    holding a ``config.json``; cells without results become ``missing`` records, so
+    that tables show them as ``—``.
     """
     grid_dir = Path(grid_dir)
     if cells is None:
         grid = read_json(grid_dir / GRID_JSON)
         if isinstance(grid, dict) and isinstance(grid.get("cells"), list):
             cells = grid["cells"]
+            simulation = grid.get("simulation")
+            found = simulation.get("clients") if isinstance(simulation, dict) else None
+            clients = found if isinstance(found, int) else None
     failures = read_failures(grid_dir)
     if cells is not None:
-        return [read_record(grid_dir / str(cell["name"]), cell,
+        return [read_record(grid_dir / str(cell["name"]), cell, clients=clients,
                             failed=str(cell["name"]) in failures) for cell in cells]
     folders = sorted(p.parent for p in grid_dir.glob("*/config.json"))
     if not folders:

@@ -50,31 +50,38 @@ CELL_ERRORS = (SimulationFailed, FedSPCError, TimeoutError)
 
 
 # ------------------------------------------------------------------------ status
-def is_done(cell: Cell) -> bool:
-    """Finished, and not a run the grid now asks to extend (:func:`extension`)."""
+def is_done(cell: Cell, clients: int | None = None) -> bool:
+    """Finished, and not a run the grid now asks to extend (:func:`extension`).
+    ``clients``, here and below: the grid's simulated clients (a federated cell's K
+    where its num-clients is 0), so that a run of another K is not extended."""
     summary = read_json(cell.run_dir / SUMMARY_JSON)
     return (isinstance(summary, dict) and summary.get("complete") is True
-            and _extends(cell, summary) is None)
+            and _extends(cell, summary, clients) is None)
 
 
-def extension(cell: Cell) -> int | None:
+def extension(cell: Cell, clients: int | None = None) -> int | None:
     """The rounds of a finished run that the grid extends: only its num-rounds grew,
     and it kept its checkpoint and clients' state (summary ``can-extend``)."""
-    return _extends(cell, read_json(cell.run_dir / SUMMARY_JSON))
+    return _extends(cell, read_json(cell.run_dir / SUMMARY_JSON), clients)
 
 
-def _extends(cell: Cell, summary: Any) -> int | None:
+def _extends(cell: Cell, summary: Any, clients: int | None) -> int | None:
     if (isinstance(summary, dict) and summary.get("complete") is True
             and summary.get("can-extend") is True
             and (cell.run_dir / CHECKPOINT_JSON).is_file()
-            and _grew(cell, config_changes(cell), summary)):
+            and _grew(cell, config_changes(cell, clients), summary)):
         return int(summary["rounds"])
     return None
 
 
-def config_changes(cell: Cell) -> list[str]:
-    """Run-config keys whose value differs between the grid and the finished run."""
-    return result_changes(cell.run_config, read_json(cell.run_dir / CONFIG_JSON))
+def config_changes(cell: Cell, clients: int | None = None) -> list[str]:
+    """The settings that differ between the grid and the finished run
+    (:func:`~fedspc_app.experiments.layout.result_changes`): run-config keys, a
+    reference's epochs, learning rate, eval-every and lr-schedule, and with
+    ``clients`` a federated cell's K."""
+    return result_changes(cell.run_config, read_json(cell.run_dir / CONFIG_JSON),
+                          centralized=cell.centralized,
+                          clients=clients if cell.kind == "federated" else None)
 
 
 def _grew(cell: Cell, changed: Sequence[str], summary: Any) -> bool:
@@ -84,9 +91,9 @@ def _grew(cell: Cell, changed: Sequence[str], summary: Any) -> bool:
             and rounds < cell.run_config["num-rounds"])
 
 
-def cell_status(cell: Cell, failures: Mapping[str, Any]) -> str:
+def cell_status(cell: Cell, failures: Mapping[str, Any], clients: int | None = None) -> str:
     """``done``, ``failed`` (recorded in failures.json) or ``pending``."""
-    if is_done(cell):
+    if is_done(cell, clients):
         return "done"
     return "failed" if cell.name in failures else "pending"
 
@@ -99,7 +106,7 @@ def is_private(cell: Cell) -> bool:
                                               or 0.0) > 0
 
 
-def progress_note(cell: Cell) -> str:
+def progress_note(cell: Cell, clients: int | None = None) -> str:
     """How far an unfinished federated cell got (its checkpoint; the time it has run
     too, but for a private cell); for rounds recorded without a checkpoint to continue
     from, that they are run again; or ""."""
@@ -111,7 +118,7 @@ def progress_note(cell: Cell) -> str:
         return (f" (starts over: the {recorded} rounds in its folder have no checkpoint)"
                 if recorded else "")
     rounds, seconds = saved
-    verb = "extends the finished run" if extension(cell) is not None else "resumes"
+    verb = "extends the finished run" if extension(cell, clients) is not None else "resumes"
     so_far = "" if is_private(cell) else f", {format_duration(seconds)} run so far"
     return f" ({verb} after round {rounds} of {cell.run_config['num-rounds']}{so_far})"
 
@@ -286,11 +293,12 @@ def _todo(grid: Grid, cells: Sequence[Cell], failures: Mapping[str, Any], outcom
           retry_failed: bool, echo: Echo) -> list[Cell]:
     """The cells to run; the others go to ``outcome``."""
     todo: list[Cell] = []
+    clients = grid.simulation.clients
     for cell in cells:
-        status = cell_status(cell, failures)
+        status = cell_status(cell, failures, clients)
         if status == "done":
             outcome.skipped.append(cell.name)
-            changed = config_changes(cell)
+            changed = config_changes(cell, clients)
             if changed:
                 grew = _grew(cell, changed, read_json(cell.run_dir / SUMMARY_JSON))
                 echo(f"note: {cell.name} finished with different {', '.join(changed)}; "
@@ -366,7 +374,8 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
         log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(log_file, "a", encoding="utf-8") as handle:
             handle.write(f"\n=== {cell.name} | {_now()} | {describe(cell)}\n")
-        echo(f"{number} {cell.name}: {describe(cell)}{progress_note(cell)}")
+        echo(f"{number} {cell.name}: {describe(cell)}"
+             f"{progress_note(cell, grid.simulation.clients)}")
         cell_started = clock()
         # Under differential privacy a cell's time grows with how many clients its
         # rounds drew: its line gives no time (nor the elapsed time and ETA it moves).
@@ -472,7 +481,7 @@ def print_plan(grid: Grid, cells: Sequence[Cell], echo: Echo = print,
     federated cells the time they will take, from the rounds of this grid's runs and
     of the runs in ``times_from`` (:mod:`fedspc_app.experiments.estimate`)."""
     failures = read_failures(grid.directory)
-    statuses = [cell_status(cell, failures) for cell in cells]
+    statuses = [cell_status(cell, failures, grid.simulation.clients) for cell in cells]
     counts = {s: statuses.count(s) for s in ("done", "failed", "pending")}
     sim = grid.simulation
     echo(f"Grid {grid.name}: {len(cells)} of {len(grid.cells)} cells selected in "
@@ -492,7 +501,7 @@ def print_plan(grid: Grid, cells: Sequence[Cell], echo: Echo = print,
     here, found = time_left(grid, unfinished, times_from)
     estimates = dict(zip((cell.name for cell in unfinished), found))
     for cell, status in zip(cells, statuses):
-        note = progress_note(cell) if status != "done" else ""
+        note = progress_note(cell, sim.clients) if status != "done" else ""
         echo(f"  {status:<7} {cell.name:<{width}}  {describe(cell)}{note}")
         if estimates.get(cell.name) is not None:
             echo(f"{'':10}{estimates[cell.name].describe()}")
