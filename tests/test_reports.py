@@ -253,6 +253,30 @@ def test_figures_and_report_files(grid_dir):
     assert (out / "centralized.md").read_text().splitlines()[2] == "| S1 | 70.00 | 71.00 |"
 
 
+def test_an_unreadable_partition_file_costs_a_panel_at_most_not_the_report(grid_dir,
+                                                                          monkeypatch):
+    # α = 0.1: seed 0's partition.json is cut short, seed 1's is whole: its panel is
+    # drawn from seed 1. α = 1.0: its only run's file is cut short: no panel.
+    labels = np.repeat(np.arange(5), 20)
+    for name, alpha in (("fedrep-a0.1-s0-S1", 0.1), ("fedrep-a0.1-s1-S1", 0.1),
+                        ("fedrep-a1-s0-S1", 1.0)):
+        save_partition(dirichlet_partition(labels, labels, num_clients=4, alpha=alpha,
+                                           seed=0, min_samples=1), grid_dir / name)
+    whole = (grid_dir / "fedrep-a0.1-s1-S1" / "partition.json").read_text()
+    for name in ("fedrep-a0.1-s0-S1", "fedrep-a1-s0-S1"):
+        (grid_dir / name / "partition.json").write_text(whole[:40])
+    drawn = []
+    monkeypatch.setattr(plots, "plot_partitions",
+                        lambda panels, path, title: drawn.append(panels) or path)
+    written = reports.write_report(load_records(grid_dir), grid_dir / "report")
+    assert [[title for title, _ in panels] for panels in drawn] == [["α = 0.1"]]
+    assert grid_dir / "report" / "partitions-cifar100.png" in written
+    report = (grid_dir / "report" / "report.md").read_text()
+    assert "Left out of the partition heatmaps, their partition.json unreadable: " in report
+    assert "fedrep-a0.1-s0-S1 (Cannot read partition file " in report
+    assert "fedrep-a1-s0-S1 (Cannot read partition file " in report
+
+
 def test_pairs_compare_seed_mean_curves_on_complete_pairs_only(grid_dir):
     # S1, α = 0.1: Base seeds (53, 50) and (40, 52) average to (46.5, 51.0), +FedSPC
     # (50, 55) and (50, 56) to (50.0, 55.5). α = 1.0 has no +FedSPC run and S2 only a

@@ -650,7 +650,8 @@ def write_report(records: Sequence[ResultRecord], out_dir: str | Path, *,
                             out_dir / f"{prefix}-{slug(setting)}-{split_slug(alpha)}.png")
                 if path:
                     figures.append(path)
-    figures += plot_partition_panels(records, out_dir)
+    panels, unreadable = plot_partition_panels(records, out_dir)
+    figures += panels
     delta = plot_deltas(records, out_dir / "delta.png")
     if delta:
         figures.append(delta)
@@ -670,8 +671,11 @@ def write_report(records: Sequence[ResultRecord], out_dir: str | Path, *,
             atomic_write(out_dir / f"{stem}.{suffix}", content)
             written.append(out_dir / f"{stem}.{suffix}")
         parts += [f"## {heading}", "", markdown]
-    if figures:
+    if figures or unreadable:
         parts += ["## Figures", ""]
         parts += [f"![{p.stem}]({p.name})" for p in figures] + [""]
+    if unreadable:
+        parts += ["Left out of the partition heatmaps, their partition.json unreadable: "
+                  + "; ".join(unreadable) + ".", ""]
     atomic_write(out_dir / "report.md", "\n".join(parts))
     return [*written, *figures, out_dir / "report.md"]
