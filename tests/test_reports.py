@@ -207,6 +207,24 @@ def test_a_run_made_under_other_settings_than_its_cell_is_stale_not_complete(tmp
         grid / "report" / "report.md").read_text()
 
 
+def test_a_finished_run_with_an_unreadable_summary_reads_the_copy_in_its_metrics(tmp_path):
+    cells = [write_run(tmp_path, name, setting="S", seed=seed, final=0.5, curve=(0.4, 0.5))
+             for seed, name in enumerate(("damaged", "gone", "running"))]
+    for name in ("damaged", "gone"):
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        metrics = json.loads((tmp_path / name / "metrics.json").read_text())
+        (tmp_path / name / "metrics.json").write_text(json.dumps({**metrics,
+                                                                  "summary": summary}))
+    (tmp_path / "damaged" / "summary.json").write_text('{"complete": tr')
+    (tmp_path / "gone" / "summary.json").unlink()
+    (tmp_path / "running" / "summary.json").unlink()  # no summary anywhere: partial
+    (tmp_path / layout.GRID_JSON).write_text(json.dumps({"cells": cells}))
+    records = load_records(tmp_path)
+    assert [(r.name, r.status, r.final_accuracy, r.wall_seconds) for r in records] == [
+        ("damaged", "complete", 0.5, 3725.4), ("gone", "complete", 0.5, 3725.4),
+        ("running", "partial", 0.5, 20.0)]
+
+
 def test_stat_and_delta_text():
     assert summarize([]).text() == "—"
     assert summarize([12.345]).text() == "12.35"

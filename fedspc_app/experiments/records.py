@@ -121,7 +121,8 @@ def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
     run whose settings (or number of rounds) differ from the cell's is ``stale``;
     ``clients``, the grid's simulated clients, is a federated cell's K where its
     num-clients is 0. ``failed``: the cell is recorded as failed (shown when it did
-    not finish).
+    not finish). The summary is ``summary.json``'s, else (missing or unreadable) the
+    copy a finished run's ``metrics.json`` holds.
     """
     config = read_json(run_dir / "config.json")
     config = config if isinstance(config, dict) else {}
@@ -138,10 +139,12 @@ def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
     if rc.get("partition") == "classes" and setting == f"{rc.get('dataset')}-{rc.get('model')}":
         # another split: a setting of its own (a grid's own label already says which)
         setting = f"{setting} {rc.get('classes-per-client')} classes/client"
-    summary = read_json(run_dir / "summary.json")
-    summary = summary if isinstance(summary, dict) else {}
     metrics = read_json(run_dir / "metrics.json")
     metrics = metrics if isinstance(metrics, dict) else {}
+    summary = read_json(run_dir / "summary.json")
+    if not isinstance(summary, dict):  # missing or damaged: metrics.json holds a copy
+        summary = metrics.get("summary")
+    summary = summary if isinstance(summary, dict) else {}
     step = "epoch" if kind == CENTRALIZED else "round"
     rows = metrics.get("epochs" if kind == CENTRALIZED else "rounds") or []
     curve = tuple((int(r[step]), float(r["accuracy"])) for r in rows
