@@ -269,6 +269,22 @@ def test_an_only_selection_of_no_cell_is_one_error_saying_why(tmp_path, capsys):
     assert len(filter_cells(grid, parse_only(["mode=centralized"]))) == 1
 
 
+def test_numbers_yaml_reads_as_text_compare_by_value(tmp_path):
+    # PyYAML reads 1e-2 (no dot) as a string, in the grid file and in --only alike.
+    path = tmp_path / "g.yaml"
+    path.write_text("axes:\n  learning-rate: [1e-2, 5e-3]\n  alpha: [0.1, 1.0]\n"
+                    "exclude: [{learning-rate: 0.005, alpha: 1e0}]\n")
+    grid = load_grid(path, output_dir=tmp_path / "out")
+    assert [c.name for c in grid.cells] == ["a0.1-lr1e-2", "a1-lr1e-2", "a0.1-lr5e-3"]
+    assert [c.name for c in filter_cells(grid, parse_only(["learning-rate=0.01"]))] == [
+        "a0.1-lr1e-2", "a1-lr1e-2"]
+    assert [c.name for c in filter_cells(grid, parse_only(["alpha=1e-1"]))] == [
+        "a0.1-lr1e-2", "a0.1-lr5e-3"]
+    path.write_text("axes:\n  learning-rate: [1e-2, 0.01]\n")
+    with pytest.raises(ConfigError, match="axis 'learning-rate' lists 0.01 twice"):
+        load_grid(path, output_dir=tmp_path / "out")
+
+
 def test_shipped_grids_expand_to_the_papers_tables():
     table1 = load_grid(REPO / "conf/experiments/table1.yaml", output_dir="/tmp/unused")
     assert len(table1.cells) == 8 * 3 * 4

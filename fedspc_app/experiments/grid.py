@@ -174,12 +174,24 @@ class _Axis:
 
 # -------------------------------------------------------------------------- names
 def same_value(a: Any, b: Any) -> bool:
-    """Numbers equal by value (``1 == 1.0``), booleans only booleans, the rest by text."""
+    """Numbers equal by value (``1 == 1.0``), also where YAML read one as text (it
+    reads ``1e-2`` as a string), booleans only booleans, the rest by text."""
     if isinstance(a, bool) or isinstance(b, bool):
         return isinstance(a, bool) and isinstance(b, bool) and a == b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return float(a) == float(b)
+    x, y = _number(a), _number(b)
+    if x is not None and y is not None:
+        return x == y
     return str(a) == str(b)
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float when it is a number or text that parses as one."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:
+        return float(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
 
 
 def value_token(axis: str, value: Any, *, bundle: bool = False) -> str:
