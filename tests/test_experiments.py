@@ -285,6 +285,13 @@ def test_numbers_yaml_reads_as_text_compare_by_value(tmp_path):
         load_grid(path, output_dir=tmp_path / "out")
 
 
+def test_grid_files_named_in_other_scripts_get_folders_of_their_own(tmp_path):
+    folders = [load_grid(write_yaml(tmp_path / f"{name}-sweep.yaml",
+                                    {"axes": {"method": ["fedrep"]}}),
+                         output_dir=tmp_path / "out").directory for name in ("α", "β")]
+    assert [f.name for f in folders] == ["α-sweep", "β-sweep"]
+
+
 def test_shipped_grids_expand_to_the_papers_tables():
     table1 = load_grid(REPO / "conf/experiments/table1.yaml", output_dir="/tmp/unused")
     assert len(table1.cells) == 8 * 3 * 4

@@ -295,6 +295,19 @@ def test_an_unreadable_partition_file_costs_a_panel_at_most_not_the_report(grid_
     assert "fedrep-a1-s0-S1 (Cannot read partition file " in report
 
 
+def test_settings_named_in_other_scripts_get_figures_of_their_own(tmp_path):
+    assert [layout.slug(t) for t in ("ρ = 0.5", "σ = 0.5", "α-sweep", "E = 1", "a/b c")] == [
+        "ρ_=_0.5", "σ_=_0.5", "α-sweep", "E_=_1", "a_b_c"]  # ASCII names as before
+    cells = [write_run(tmp_path, f"fedrep{'+fedspc' if spc else ''}-{name}", setting=label,
+                       fedspc=spc, final=0.5, curve=(0.4, 0.5))
+             for name, label in (("rho", "ρ = 0.5"), ("sigma", "σ = 0.5"))
+             for spc in (False, True)]
+    (tmp_path / layout.GRID_JSON).write_text(json.dumps({"cells": cells}))
+    written = reports.write_report(load_records(tmp_path), tmp_path / "report")
+    curves = sorted(p.name for p in written if p.name.startswith("curves-"))
+    assert curves == ["curves-ρ_=_0.5-a0.1.png", "curves-σ_=_0.5-a0.1.png"]
+
+
 def test_pairs_compare_seed_mean_curves_on_complete_pairs_only(grid_dir):
     # S1, α = 0.1: Base seeds (53, 50) and (40, 52) average to (46.5, 51.0), +FedSPC
     # (50, 55) and (50, 56) to (50.0, 55.5). α = 1.0 has no +FedSPC run and S2 only a

@@ -57,9 +57,11 @@ def result_changes(run_config: Mapping[str, Any], recorded: Any, *,
 
 
 def slug(text: str) -> str:
-    """``text`` as a file-name part: runs of other characters than ``A-Za-z0-9._+=-``
-    become ``_``."""
-    return re.sub(r"[^A-Za-z0-9._+=-]+", "_", text).strip("_") or "_"
+    """``text`` as a file-name part: runs of other characters than word characters
+    (letters of any script, digits, ``_``) and ``.+=-`` become ``_``. Unicode letters
+    stay, so that ``ρ = 0.5`` and ``σ = 0.5`` get distinct names; an ASCII name's
+    slug is the same as when only ``A-Za-z0-9._+=-`` stayed (committed folders)."""
+    return re.sub(r"[^\w.+=-]+", "_", text).strip("_") or "_"
 
 
 def read_json(path: Path) -> Any:
