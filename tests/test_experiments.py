@@ -249,6 +249,49 @@ def test_only_filters_cells_and_rejects_typos(tmp_path):
         parse_only(["method"])
 
 
+def test_an_only_selection_of_no_cell_is_one_error_saying_why(tmp_path, capsys):
+    spec = {"axes": {"method": ["fedrep", "fedper"], "alpha": [0.1, 1.0]},
+            "exclude": [{"method": "fedrep", "alpha": 1.0}]}
+    path = write_yaml(tmp_path / "g.yaml", spec)
+    argv = ["run", str(path), "--output-dir", str(tmp_path / "out"), "--no-report"]
+    assert cli.main([*argv, "--only", "mode=centralized"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "fedspc: --only mode=centralized: selects no cell of grid 'g': the grid has no "
+        "centralized references (no 'centralized' block)")
+    assert cli.main([*argv, "--only", "method=fedrep", "--only", "alpha=1.0"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "fedspc: --only method=fedrep alpha=1.0: selects no cell of grid 'g': the grid's "
+        "exclude drops them (method: fedrep, alpha: 1.0)")
+    assert not (tmp_path / "out" / "g").exists()  # nothing ran, no report
+    grid = grid_of({**spec, "centralized": {"epochs": 1}}, tmp_path)
+    with pytest.raises(ConfigError, match="the centralized references have no axis method"):
+        filter_cells(grid, parse_only(["mode=centralized", "method=fedrep"]))
+    assert len(filter_cells(grid, parse_only(["mode=centralized"]))) == 1
+
+
+def test_numbers_yaml_reads_as_text_compare_by_value(tmp_path):
+    # PyYAML reads 1e-2 (no dot) as a string, in the grid file and in --only alike.
+    path = tmp_path / "g.yaml"
+    path.write_text("axes:\n  learning-rate: [1e-2, 5e-3]\n  alpha: [0.1, 1.0]\n"
+                    "exclude: [{learning-rate: 0.005, alpha: 1e0}]\n")
+    grid = load_grid(path, output_dir=tmp_path / "out")
+    assert [c.name for c in grid.cells] == ["a0.1-lr1e-2", "a1-lr1e-2", "a0.1-lr5e-3"]
+    assert [c.name for c in filter_cells(grid, parse_only(["learning-rate=0.01"]))] == [
+        "a0.1-lr1e-2", "a1-lr1e-2"]
+    assert [c.name for c in filter_cells(grid, parse_only(["alpha=1e-1"]))] == [
+        "a0.1-lr1e-2", "a0.1-lr5e-3"]
+    path.write_text("axes:\n  learning-rate: [1e-2, 0.01]\n")
+    with pytest.raises(ConfigError, match="axis 'learning-rate' lists 0.01 twice"):
+        load_grid(path, output_dir=tmp_path / "out")
+
+
+def test_grid_files_named_in_other_scripts_get_folders_of_their_own(tmp_path):
+    folders = [load_grid(write_yaml(tmp_path / f"{name}-sweep.yaml",
+                                    {"axes": {"method": ["fedrep"]}}),
+                         output_dir=tmp_path / "out").directory for name in ("α", "β")]
+    assert [f.name for f in folders] == ["α-sweep", "β-sweep"]
+
+
 def test_shipped_grids_expand_to_the_papers_tables():
     table1 = load_grid(REPO / "conf/experiments/table1.yaml", output_dir="/tmp/unused")
     assert len(table1.cells) == 8 * 3 * 4
@@ -497,6 +540,44 @@ def test_a_finished_cell_is_extended_when_only_its_rounds_grew_and_it_can_be(tmp
             "folder to rerun it") in lines
 
 
+def test_a_reference_of_other_epochs_and_a_run_of_another_k_are_noted_not_extended(tmp_path):
+    # The reference ran 5 constant-rate epochs; the grid asks 200 cosine ones. The
+    # federated runs had K = 10 simulated clients (num-clients 0); the grid now has
+    # 20, and 20 rounds: not extended, noted, and stale in the report.
+    spec = {"axes": {"method": ["fedper"], "fedspc": [False, True]},
+            "simulation": {"clients": 20},
+            "centralized": {"epochs": 200, "lr-schedule": "cosine"}}
+    grid = grid_of(spec, tmp_path)
+    base, spc, reference = grid.cells
+    finished_with(base, rounds=5, can_extend=True)
+    finished_with(spc, rounds=10, can_extend=True)
+    finish(reference)
+    for cell in (base, spc):
+        config = json.loads((cell.run_dir / "config.json").read_text())
+        (cell.run_dir / "config.json").write_text(json.dumps({**config, "num-clients": 10}))
+    (reference.run_dir / "config.json").write_text(json.dumps({
+        "run-config": reference.run_config, "mode": "centralized",
+        "centralized": {**reference.centralized, "epochs": 5, "lr-schedule": "constant"}}))
+    assert runner.config_changes(reference) == ["epochs", "lr-schedule"]
+    assert runner.config_changes(spc, 20) == ["num-clients"]
+    assert runner.config_changes(spc, 10) == [] and runner.is_done(spc, 10)
+    assert runner.extension(base, 10) == 5 and runner.extension(base, 20) is None
+    fake, lines = FakeRunner(), []
+    run_grid(grid, grid.cells, runner=fake, echo=lines.append)
+    assert fake.calls == []
+    assert (f"note: {base.name} finished with different num-clients, num-rounds; delete "
+            "its folder to rerun it") in lines
+    assert (f"note: {reference.name} finished with different epochs, lr-schedule; delete "
+            "its folder to rerun it") in lines
+    records = {r.name: r for r in load_records(grid.directory)}  # grid.json: K = 20
+    assert {name: (r.status, r.changes) for name, r in records.items()} == {
+        base.name: ("stale", ("num-clients", "num-rounds")),
+        spc.name: ("stale", ("num-clients",)),
+        reference.name: ("stale", ("epochs", "lr-schedule"))}
+    assert [r.status for r in load_records(grid.directory, [c.to_dict() for c in grid.cells],
+                                           clients=10)][1:] == ["complete", "stale"]
+
+
 def test_a_failing_cell_is_recorded_and_the_others_still_run(tmp_path):
     grid = small_grid(tmp_path)
     bad = grid.cells[1].name
@@ -659,6 +740,24 @@ def test_a_paused_cell_stops_the_grid_without_counting_as_failed(tmp_path):
     again = FakeRunner()
     assert not run_grid(grid, grid.cells, runner=again, echo=lambda _: None).paused
     assert again.calls == [c.name for c in grid.cells[1:]]
+
+
+def test_progress_counts_only_finished_cells_as_done(tmp_path):
+    # The first cell fails, the second pauses: no cell is done. A cell that failed
+    # before (not retried) is not run, and the numbering goes on after it.
+    grid = small_grid(tmp_path)
+    fake, lines = PausingRunner(grid, pause=grid.cells[1].name), []
+    fake.fail = {grid.cells[0].name}
+    outcome = run_grid(grid, grid.cells, runner=fake, echo=lines.append)
+    assert outcome.paused and list(outcome.failed) == [grid.cells[0].name]
+    assert lines[3].startswith(f"[2/4] {grid.cells[1].name}: ")
+    assert lines[-1] == ("Grid g paused on request with 0 of 4 selected cells done; "
+                         "the same command continues it.")
+    lines = []
+    run_grid(grid, grid.cells, runner=FakeRunner(), echo=lines.append)
+    assert "1 failed before" in lines[0]
+    assert [line.split()[0] for line in lines[1:7]] == ["[2/4]"] * 2 + ["[3/4]"] * 2 + [
+        "[4/4]"] * 2
 
 
 def test_a_grid_pause_between_cells_and_a_stale_one(tmp_path):

@@ -169,6 +169,62 @@ def test_runs_table(grid_dir):
     assert "centralized-S1,centralized,complete,3,70.0,71.0,2,3725.4,unrecorded" in csv_lines
 
 
+def test_a_run_made_under_other_settings_than_its_cell_is_stale_not_complete(tmp_path):
+    # The grid now asks 20 rounds; Base seed 1 is a finished 10-round run (left from
+    # a shorter horizon), and fedrep-s2's folder holds a seed-0 run (made with --set
+    # seed=0). +FedSPC is +1 point on each seed.
+    grid = tmp_path / "grid"
+    cells = []
+    for fedspc in (False, True):
+        for seed, rounds in ((0, 20), (1, 10 if not fedspc else 20)):
+            name = f"fedrep{'+fedspc' if fedspc else ''}-s{seed}"
+            curve = tuple(0.30 + 0.01 * fedspc + 0.01 * i for i in range(rounds))
+            cells.append(write_run(grid, name, setting="S", fedspc=fedspc, seed=seed,
+                                   final=curve[-1], curve=curve))
+            cells[-1]["run-config"]["num-rounds"] = 20
+    moved = write_run(grid, "fedrep-s2", setting="S", seed=0, final=0.1, curve=(0.1,) * 20)
+    moved["run-config"]["seed"] = 2
+    cells.append(moved)
+    (grid / layout.GRID_JSON).write_text(json.dumps({"name": "grid", "cells": cells}))
+    records = {r.name: r for r in load_records(grid)}
+    stale, moved = records["fedrep-s1"], records["fedrep-s2"]
+    assert (stale.status, stale.changes, stale.complete, stale.rounds) == (
+        "stale", ("num-rounds",), False, 10)
+    # The row keys are the run's own: a seed-0 run is not reported as seed 2.
+    assert (moved.status, moved.changes, moved.seed) == ("stale", ("seed",), 0)
+    assert [r.status for r in records.values()].count("complete") == 3
+    # Δ is +1 on seed 0, the only seed both sides ran at 20 rounds.
+    assert reports.to_markdown(reports.table3(list(records.values()))).splitlines()[2] == (
+        "| FedRep | 0.1 | 49.00 | 50.00 ± 0.00 | +1.00 |")
+    runs = reports.runs_table(list(records.values()))
+    assert runs.rows[1][:3] == ["fedrep-s1", "stale", "10"]
+    assert runs.notes == (
+        ("Stale: finished under other settings than the grid's cell now (in parentheses), "
+         "so no table counts them; delete a run's folder and run the grid again to rerun "
+         "it: fedrep-s1 (num-rounds), fedrep-s2 (seed)."),)
+    reports.write_report(list(records.values()), grid / "report")
+    assert "3 of 5 cells complete (2 stale: see Runs)" in (
+        grid / "report" / "report.md").read_text()
+
+
+def test_a_finished_run_with_an_unreadable_summary_reads_the_copy_in_its_metrics(tmp_path):
+    cells = [write_run(tmp_path, name, setting="S", seed=seed, final=0.5, curve=(0.4, 0.5))
+             for seed, name in enumerate(("damaged", "gone", "running"))]
+    for name in ("damaged", "gone"):
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        metrics = json.loads((tmp_path / name / "metrics.json").read_text())
+        (tmp_path / name / "metrics.json").write_text(json.dumps({**metrics,
+                                                                  "summary": summary}))
+    (tmp_path / "damaged" / "summary.json").write_text('{"complete": tr')
+    (tmp_path / "gone" / "summary.json").unlink()
+    (tmp_path / "running" / "summary.json").unlink()  # no summary anywhere: partial
+    (tmp_path / layout.GRID_JSON).write_text(json.dumps({"cells": cells}))
+    records = load_records(tmp_path)
+    assert [(r.name, r.status, r.final_accuracy, r.wall_seconds) for r in records] == [
+        ("damaged", "complete", 0.5, 3725.4), ("gone", "complete", 0.5, 3725.4),
+        ("running", "partial", 0.5, 20.0)]
+
+
 def test_stat_and_delta_text():
     assert summarize([]).text() == "—"
     assert summarize([12.345]).text() == "12.35"
@@ -213,6 +269,43 @@ def test_figures_and_report_files(grid_dir):
             "| +5.00 / +4.00 | unrecorded |") in report
     assert "![delta](delta.png)" in report
     assert (out / "centralized.md").read_text().splitlines()[2] == "| S1 | 70.00 | 71.00 |"
+
+
+def test_an_unreadable_partition_file_costs_a_panel_at_most_not_the_report(grid_dir,
+                                                                          monkeypatch):
+    # α = 0.1: seed 0's partition.json is cut short, seed 1's is whole: its panel is
+    # drawn from seed 1. α = 1.0: its only run's file is cut short: no panel.
+    labels = np.repeat(np.arange(5), 20)
+    for name, alpha in (("fedrep-a0.1-s0-S1", 0.1), ("fedrep-a0.1-s1-S1", 0.1),
+                        ("fedrep-a1-s0-S1", 1.0)):
+        save_partition(dirichlet_partition(labels, labels, num_clients=4, alpha=alpha,
+                                           seed=0, min_samples=1), grid_dir / name)
+    whole = (grid_dir / "fedrep-a0.1-s1-S1" / "partition.json").read_text()
+    for name in ("fedrep-a0.1-s0-S1", "fedrep-a1-s0-S1"):
+        (grid_dir / name / "partition.json").write_text(whole[:40])
+    drawn = []
+    monkeypatch.setattr(plots, "plot_partitions",
+                        lambda panels, path, title: drawn.append(panels) or path)
+    written = reports.write_report(load_records(grid_dir), grid_dir / "report")
+    assert [[title for title, _ in panels] for panels in drawn] == [["α = 0.1"]]
+    assert grid_dir / "report" / "partitions-cifar100.png" in written
+    report = (grid_dir / "report" / "report.md").read_text()
+    assert "Left out of the partition heatmaps, their partition.json unreadable: " in report
+    assert "fedrep-a0.1-s0-S1 (Cannot read partition file " in report
+    assert "fedrep-a1-s0-S1 (Cannot read partition file " in report
+
+
+def test_settings_named_in_other_scripts_get_figures_of_their_own(tmp_path):
+    assert [layout.slug(t) for t in ("ρ = 0.5", "σ = 0.5", "α-sweep", "E = 1", "a/b c")] == [
+        "ρ_=_0.5", "σ_=_0.5", "α-sweep", "E_=_1", "a_b_c"]  # ASCII names as before
+    cells = [write_run(tmp_path, f"fedrep{'+fedspc' if spc else ''}-{name}", setting=label,
+                       fedspc=spc, final=0.5, curve=(0.4, 0.5))
+             for name, label in (("rho", "ρ = 0.5"), ("sigma", "σ = 0.5"))
+             for spc in (False, True)]
+    (tmp_path / layout.GRID_JSON).write_text(json.dumps({"cells": cells}))
+    written = reports.write_report(load_records(tmp_path), tmp_path / "report")
+    curves = sorted(p.name for p in written if p.name.startswith("curves-"))
+    assert curves == ["curves-ρ_=_0.5-a0.1.png", "curves-σ_=_0.5-a0.1.png"]
 
 
 def test_pairs_compare_seed_mean_curves_on_complete_pairs_only(grid_dir):

@@ -92,13 +92,13 @@ def grid_records(target: str, output_dir: str | None) -> tuple[Path, str, list]:
     path = Path(target)
     if path.is_file():
         grid = load_grid(path, output_dir=output_dir)
-        directory, title = grid.directory, grid.name
+        directory, title, clients = grid.directory, grid.name, grid.simulation.clients
         cells = [cell.to_dict() for cell in grid.cells]
     else:
-        directory, title, cells = path.resolve(), path.resolve().name, None
+        directory, title, cells, clients = path.resolve(), path.resolve().name, None, None
     if not directory.is_dir():
         raise ConfigError(f"no results at {directory}")
-    return directory, title, load_records(directory, cells)
+    return directory, title, load_records(directory, cells, clients)
 
 
 def labelled(records: list, label: str) -> list:

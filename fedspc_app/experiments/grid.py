@@ -138,6 +138,7 @@ class Grid:
     cells: tuple[Cell, ...]
     simulation: SimulationSettings
     source: Path | None = None
+    excludes: tuple[dict[str, Any], ...] = ()  # the grid file's exclude entries
 
     def to_dict(self) -> dict[str, Any]:
         """The grid as ``grid.json`` records it, with no absolute path of this machine:
@@ -173,12 +174,24 @@ class _Axis:
 
 # -------------------------------------------------------------------------- names
 def same_value(a: Any, b: Any) -> bool:
-    """Numbers equal by value (``1 == 1.0``), booleans only booleans, the rest by text."""
+    """Numbers equal by value (``1 == 1.0``), also where YAML read one as text (it
+    reads ``1e-2`` as a string), booleans only booleans, the rest by text."""
     if isinstance(a, bool) or isinstance(b, bool):
         return isinstance(a, bool) and isinstance(b, bool) and a == b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return float(a) == float(b)
+    x, y = _number(a), _number(b)
+    if x is not None and y is not None:
+        return x == y
     return str(a) == str(b)
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float when it is a number or text that parses as one."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:
+        return float(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
 
 
 def value_token(axis: str, value: Any, *, bundle: bool = False) -> str:
@@ -464,7 +477,8 @@ def expand_grid(spec: Mapping[str, Any], *, name: str, base_dir: Path | None = N
                           "give bundles distinct labels")
     return Grid(name=grid_name, directory=directory,
                 axes={axis.name: [value.label for value in axis.values] for axis in axes},
-                cells=tuple(cells), simulation=simulation, source=source)
+                cells=tuple(cells), simulation=simulation, source=source,
+                excludes=tuple(excludes))
 
 
 def load_grid(path: str | os.PathLike[str], *,
@@ -527,7 +541,8 @@ def filter_cells(grid: Grid, only: Mapping[str, Sequence[Any]]) -> list[Cell]:
 
     ``mode`` selects ``federated`` or ``centralized`` cells; a cell without the
     axis (a reference has no ``method``) is left out; an axis or value the grid
-    does not have is an error, so that a typo does not select nothing.
+    does not have is an error, so that a typo does not select nothing, and so is a
+    selection of no cell (saying why), which would otherwise run nothing and succeed.
     """
     for key, values in only.items():
         known = ["federated", "centralized"] if key == MODE_AXIS else grid.axes.get(key)
@@ -546,4 +561,31 @@ def filter_cells(grid: Grid, only: Mapping[str, Sequence[Any]]) -> list[Cell]:
                 return False
         return True
 
-    return [cell for cell in grid.cells if keep(cell)]
+    cells = [cell for cell in grid.cells if keep(cell)]
+    if not cells:
+        text = " ".join(f"{key}={','.join(map(str, values))}" for key, values in only.items())
+        raise ConfigError(f"--only {text}: selects no cell of grid {grid.name!r}"
+                          + _why_none(grid, only))
+    return cells
+
+
+def _why_none(grid: Grid, only: Mapping[str, Sequence[Any]]) -> str:
+    """Why ``only`` (each value a grid's own) selects no cell: no references, an
+    axis the references lack, or the grid's ``exclude``."""
+    modes = only.get(MODE_AXIS)
+    if modes is not None and not any(same_value(mode, "federated") for mode in modes):
+        references = [cell for cell in grid.cells if cell.kind == "centralized"]
+        if not references:
+            return ": the grid has no centralized references (no 'centralized' block)"
+        lacking = [key for key in only if key != MODE_AXIS
+                   and any(key not in cell.assignment for cell in references)]
+        if lacking:
+            return f": the centralized references have no axis {', '.join(lacking)}"
+    excluding = [entry for entry in grid.excludes
+                 if all(any(same_value(value, v) for v in only[key])
+                        for key, value in entry.items() if key in only)]
+    if excluding:
+        return ": the grid's exclude drops them (" + "; ".join(
+            ", ".join(f"{key}: {value}" for key, value in entry.items())
+            for entry in excluding) + ")"
+    return ""

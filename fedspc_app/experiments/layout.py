@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from fedspc_app.core.config import resolved_settings
+from fedspc_app.runs.checkpoint import FORMER_DEFAULTS
 
 GRID_JSON = "grid.json"
 FAILURES_JSON = "failures.json"
@@ -24,10 +28,40 @@ RESULT_IRRELEVANT = frozenset({
 """Run-config keys that may change without invalidating a finished run."""
 
 
+def result_changes(run_config: Mapping[str, Any], recorded: Any, *,
+                   centralized: Mapping[str, Any] | None = None,
+                   clients: int | None = None) -> list[str]:
+    """The settings that differ between a grid cell (``run_config``) and the run in
+    its folder (``recorded``: its ``config.json``): run-config keys but for
+    :data:`RESULT_IRRELEVANT`; a reference's ``centralized`` options (epochs,
+    lr-schedule, ...); and, given the grid's simulated ``clients``, a federated
+    run's K as resolved (``num-clients``, else ``clients``). [] without a recorded
+    run-config. The runner notes such a finished run, and the report does not count
+    it as the cell's result."""
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("run-config"), dict):
+        return []
+    # A key the run did not record had the value it had then (as for a checkpoint).
+    old = resolved_settings({**FORMER_DEFAULTS, **recorded["run-config"]})
+    changes = {key for key, value in resolved_settings(run_config).items()
+               if key not in RESULT_IRRELEVANT and key in old and old[key] != value}
+    options = recorded.get("centralized")
+    if centralized and isinstance(options, dict):
+        changes |= {key for key, value in centralized.items()
+                    if key in options and options[key] != value}
+    k = recorded.get("num-clients")
+    if clients is not None and isinstance(k, int):  # the K the run had, resolved
+        changes.discard("num-clients")
+        if k != (run_config.get("num-clients") or clients):
+            changes.add("num-clients")
+    return sorted(changes)
+
+
 def slug(text: str) -> str:
-    """``text`` as a file-name part: runs of other characters than ``A-Za-z0-9._+=-``
-    become ``_``."""
-    return re.sub(r"[^A-Za-z0-9._+=-]+", "_", text).strip("_") or "_"
+    """``text`` as a file-name part: runs of other characters than word characters
+    (letters of any script, digits, ``_``) and ``.+=-`` become ``_``. Unicode letters
+    stay, so that ``ρ = 0.5`` and ``σ = 0.5`` get distinct names; an ASCII name's
+    slug is the same as when only ``A-Za-z0-9._+=-`` stayed (committed folders)."""
+    return re.sub(r"[^\w.+=-]+", "_", text).strip("_") or "_"
 
 
 def read_json(path: Path) -> Any:

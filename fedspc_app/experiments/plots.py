@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.errors import ConfigError, DataError
 from fedspc_app.core.files import atomic_write
 from fedspc_app.data.partition_files import PARTITION_JSON, load_partition_counts
 from fedspc_app.experiments.layout import slug
@@ -258,31 +258,48 @@ def _delta_label(stat) -> str:
     return f"{stat.mean:+.2f}{spread} ({stat.n} seed{'s' if stat.n != 1 else ''})"
 
 
-def plot_partition_panels(records: Sequence[ResultRecord], out_dir: str | Path) -> list[Path]:
+def plot_partition_panels(records: Sequence[ResultRecord], out_dir: str | Path
+                          ) -> tuple[list[Path], list[str]]:
     """``partitions-<dataset>.png``: per dataset one panel per α, from the cell with
-    the smallest seed that wrote a ``partition.json`` (the paper's Figures 3-4)."""
-    written = []
+    the smallest seed whose ``partition.json`` can be read (the paper's Figures 3-4).
+    Returns the figures and the runs whose partition file could not be read (with
+    why), so that one damaged file costs a panel at most, never the report."""
+    written: list[Path] = []
+    unreadable: list[str] = []
     for dataset in unique(r.dataset for r in records if r.kind == FEDERATED):
-        chosen: dict[float | str, ResultRecord] = {}
-        for record in sorted((r for r in records if r.kind == FEDERATED
-                              and r.dataset == dataset and r.alpha is not None
-                              and r.run_dir is not None
-                              and (r.run_dir / PARTITION_JSON).is_file()),
-                             key=lambda r: r.seed):
-            chosen.setdefault(record.alpha, record)
-        if not chosen:
-            continue
+        runs = sorted((r for r in records if r.kind == FEDERATED and r.dataset == dataset
+                       and r.alpha is not None and r.run_dir is not None
+                       and (r.run_dir / PARTITION_JSON).is_file()), key=lambda r: r.seed)
         panels, clients = [], set()
-        for alpha in alphas_of(chosen.values()):
-            data = load_partition_counts(chosen[alpha].run_dir)
+        for alpha in alphas_of(runs):
+            data = _first_readable([r for r in runs if r.alpha == alpha], unreadable)
+            if data is None:
+                continue
             clients.add(int(data["num_clients"]))
             panels.append((split_title(alpha), data["train_counts"]))
+        if not panels:
+            continue
         title = f"{dataset}: training images per client and class"
         if len(clients) == 1:
             title += f" ({clients.pop()} clients)"
         path = Path(out_dir) / f"partitions-{slug(dataset)}.png"
         written.append(plot_partitions(panels, path, title=title))
-    return written
+    return written, unreadable
+
+
+def _first_readable(runs: Sequence[ResultRecord], unreadable: list[str]
+                    ) -> dict[str, Any] | None:
+    """The partition of the first of ``runs`` whose file reads as one; the others
+    tried go to ``unreadable``."""
+    for run in runs:
+        try:
+            data = load_partition_counts(run.run_dir)
+            _check_counts(data["train_counts"], "train_counts")
+        except (DataError, ConfigError) as error:
+            unreadable.append(f"{run.name} ({error})")
+            continue
+        return data
+    return None
 
 
 # ------------------------------------------------------------------- partitions

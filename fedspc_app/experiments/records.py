@@ -18,7 +18,7 @@ from typing import Any
 
 from fedspc_app.core.errors import DataError
 from fedspc_app.data.partition_files import load_partition_counts
-from fedspc_app.experiments.layout import GRID_JSON, read_failures, read_json
+from fedspc_app.experiments.layout import GRID_JSON, read_failures, read_json, result_changes
 from fedspc_app.runs.provenance import code_id
 from fedspc_app.runs.results import DRIFT_COLUMNS
 
@@ -38,6 +38,10 @@ METHOD_NAMES = {
 FEDERATED = "federated"
 CENTRALIZED = "centralized"
 LOCAL = "local"  # the method whose clients train alone: a reference row
+STALE = "stale"  # a finished run made under other settings than its cell's now
+# Run-config keys a record's row keys come from: the run's own (config.json) where
+# it recorded them, so that a stale run is not shown as another seed or method.
+ROW_KEYS = ("dataset", "method", "fedspc", "alpha", "seed", "partition", "classes-per-client")
 
 
 # ------------------------------------------------------------------------ records
@@ -45,8 +49,10 @@ LOCAL = "local"  # the method whose clients train alone: a reference row
 class ResultRecord:
     """What the report needs to know about one cell.
 
-    ``status`` is ``complete``, ``partial`` (started, not finished), ``failed`` or
-    ``missing``; ``rounds`` counts epochs for centralized runs; accuracies are
+    ``status`` is ``complete``, ``partial`` (started, not finished), ``failed``,
+    ``missing`` or ``stale`` (finished, but under other settings than its grid cell
+    asks now: ``changes`` names them; no table counts it); ``rounds`` counts epochs
+    for centralized runs; accuracies are
     fractions in [0, 1] (final: the last evaluated round); ``curve`` holds
     ``(round or epoch, accuracy)`` pairs; ``run_dir`` is the results folder;
     ``client_accuracy`` maps a partition id to its accuracy in the last evaluated
@@ -78,6 +84,7 @@ class ResultRecord:
     # (first round, code identity) of each segment of the run (config.json); the
     # identity is None where the run did not record it.
     code: tuple[tuple[int, str | None], ...] = ()
+    changes: tuple[str, ...] = ()  # a stale run's settings that differ from its cell's
 
     @property
     def code_ids(self) -> set[str | None]:
@@ -106,30 +113,38 @@ def display_method(method: str) -> str:
 
 
 def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
-                failed: bool = False) -> ResultRecord:
+                failed: bool = False, clients: int | None = None) -> ResultRecord:
     """The record of one results folder ``run_dir`` (which may not exist yet).
 
     ``cell`` is the cell's ``grid.json`` entry; without it everything comes from
-    the folder's ``config.json`` and the setting is ``<dataset>-<model>``.
-    ``failed``: the cell is recorded as failed (shown when it did not finish).
+    the folder's ``config.json`` and the setting is ``<dataset>-<model>``. A finished
+    run whose settings (or number of rounds) differ from the cell's is ``stale``;
+    ``clients``, the grid's simulated clients, is a federated cell's K where its
+    num-clients is 0. ``failed``: the cell is recorded as failed (shown when it did
+    not finish). The summary is ``summary.json``'s, else (missing or unreadable) the
+    copy a finished run's ``metrics.json`` holds.
     """
     config = read_json(run_dir / "config.json")
     config = config if isinstance(config, dict) else {}
+    recorded = config.get("run-config")
+    recorded = recorded if isinstance(recorded, dict) else {}
     if cell is not None:
         rc = dict(cell.get("run-config", {}))
         kind = cell.get("kind", FEDERATED)
         setting = cell.get("setting") or f"{rc.get('dataset')}-{rc.get('model')}"
     else:
-        rc = dict(config.get("run-config", {}))
+        rc = dict(recorded)
         kind = CENTRALIZED if config.get("mode") == CENTRALIZED else FEDERATED
         setting = f"{rc.get('dataset')}-{rc.get('model')}"
     if rc.get("partition") == "classes" and setting == f"{rc.get('dataset')}-{rc.get('model')}":
         # another split: a setting of its own (a grid's own label already says which)
         setting = f"{setting} {rc.get('classes-per-client')} classes/client"
-    summary = read_json(run_dir / "summary.json")
-    summary = summary if isinstance(summary, dict) else {}
     metrics = read_json(run_dir / "metrics.json")
     metrics = metrics if isinstance(metrics, dict) else {}
+    summary = read_json(run_dir / "summary.json")
+    if not isinstance(summary, dict):  # missing or damaged: metrics.json holds a copy
+        summary = metrics.get("summary")
+    summary = summary if isinstance(summary, dict) else {}
     step = "epoch" if kind == CENTRALIZED else "round"
     rows = metrics.get("epochs" if kind == CENTRALIZED else "rounds") or []
     curve = tuple((int(r[step]), float(r["accuracy"])) for r in rows
@@ -139,21 +154,26 @@ def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
                                   if isinstance(r, dict)
                                   and isinstance(r.get(key), (int, float))))}
 
-    clients = next((r["client-accuracy"] for r in reversed(rows) if isinstance(r, dict)
-                    and isinstance(r.get("client-accuracy"), dict)), {})
+    by_client = next((r["client-accuracy"] for r in reversed(rows) if isinstance(r, dict)
+                      and isinstance(r.get("client-accuracy"), dict)), {})
     held_out = next((float(r[HELD_OUT]) for r in reversed(rows) if isinstance(r, dict)
                      and isinstance(r.get("accuracy"), (int, float))
                      and isinstance(r.get(HELD_OUT), (int, float))), None)
 
-    if summary.get("complete") is True:
-        status = "complete"
+    changes: list[str] = []
+    if cell is not None:
+        changes = (_changes(rc, config, summary, clients) if kind == FEDERATED
+                   else result_changes(rc, config, centralized=cell.get("centralized")))
+    finished = summary.get("complete") is True
+    if finished:
+        status = STALE if changes else "complete"
     elif failed:
         status = "failed"
     elif config or rows:
         status = "partial"
     else:
         status = "missing"
-    if status == "complete":
+    if finished:
         final = summary.get("final-accuracy")
         best = summary.get("best-accuracy")
         best_round = summary.get("best-epoch" if kind == CENTRALIZED else "best-round")
@@ -165,6 +185,7 @@ def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
         best, best_round = (top[1], top[0]) if top else (None, None)
         rounds = len(rows) if rows else None
         wall = rows[-1].get("elapsed-seconds") if rows else None
+    rc = {**rc, **{key: recorded[key] for key in ROW_KEYS if key in recorded}}
     return ResultRecord(
         name=str(cell["name"]) if cell is not None else run_dir.name,
         kind=kind,
@@ -183,12 +204,25 @@ def read_record(run_dir: Path, cell: Mapping[str, Any] | None = None, *,
         curve=curve,
         run_dir=run_dir,
         series=series,
-        client_accuracy={str(k): float(v) for k, v in clients.items()
+        client_accuracy={str(k): float(v) for k, v in by_client.items()
                          if isinstance(v, (int, float))},
         client_train_sizes=_train_sizes(run_dir) if kind == FEDERATED else {},
         code=_code_segments(config),
         held_out_accuracy=held_out,
+        changes=tuple(changes) if status == STALE else (),
     )
+
+
+def _changes(run_config: Mapping[str, Any], config: Mapping[str, Any],
+             summary: Mapping[str, Any], clients: int | None) -> list[str]:
+    """The settings a federated run (``config``, ``summary``) differs in from its
+    cell's ``run_config``: its run-config and K, and its rounds if they are not the
+    cell's num-rounds (a run the grid has since lengthened, or one made with --set)."""
+    changes = result_changes(run_config, config, clients=clients)
+    rounds, wanted = summary.get("rounds"), run_config.get("num-rounds")
+    if isinstance(rounds, int) and isinstance(wanted, int) and rounds != wanted:
+        changes = sorted({*changes, "num-rounds"})
+    return changes
 
 
 def _code_segments(config: Mapping[str, Any]) -> tuple[tuple[int, str | None], ...]:
@@ -211,22 +245,26 @@ def _train_sizes(run_dir: Path) -> dict[str, int]:
     return {str(k): int(row.sum()) for k, row in enumerate(counts)}
 
 
-def load_records(grid_dir: str | Path,
-                 cells: Sequence[Mapping[str, Any]] | None = None) -> list[ResultRecord]:
+def load_records(grid_dir: str | Path, cells: Sequence[Mapping[str, Any]] | None = None,
+                 clients: int | None = None) -> list[ResultRecord]:
     """One record per cell of a grid folder.
 
-    The cells come from ``cells`` (a grid's expansion), else the folder's
-    ``grid.json``, else every sub-folder holding a ``config.json``; cells without
-    results become ``missing`` records, so that tables show them as ``—``.
+    The cells come from ``cells`` (a grid's expansion, run with ``clients``
+    simulated clients), else the folder's ``grid.json``, else every sub-folder
+    holding a ``config.json``; cells without results become ``missing`` records, so
+    that tables show them as ``—``.
     """
     grid_dir = Path(grid_dir)
     if cells is None:
         grid = read_json(grid_dir / GRID_JSON)
         if isinstance(grid, dict) and isinstance(grid.get("cells"), list):
             cells = grid["cells"]
+            simulation = grid.get("simulation")
+            found = simulation.get("clients") if isinstance(simulation, dict) else None
+            clients = found if isinstance(found, int) else None
     failures = read_failures(grid_dir)
     if cells is not None:
-        return [read_record(grid_dir / str(cell["name"]), cell,
+        return [read_record(grid_dir / str(cell["name"]), cell, clients=clients,
                             failed=str(cell["name"]) in failures) for cell in cells]
     folders = sorted(p.parent for p in grid_dir.glob("*/config.json"))
     if not folders:

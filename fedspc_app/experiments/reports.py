@@ -40,6 +40,7 @@ from fedspc_app.experiments.records import (
     HELD_OUT,
     LOCAL,
     MISSING,
+    STALE,
     ResultRecord,
     alpha_text,
     alphas_of,
@@ -548,7 +549,8 @@ def centralized_table(records: Sequence[ResultRecord]) -> Table:
 
 def runs_table(records: Sequence[ResultRecord]) -> Table:
     """One row per cell: status, rounds, final and best accuracy, wall time (and the
-    held-out clients' final accuracy when a run has them)."""
+    held-out clients' final accuracy when a run has them); a note names the stale
+    runs and the settings they differ in."""
     held = any(r.held_out_accuracy is not None for r in records)
     rows, csv_rows = [], []
     for r in records:
@@ -576,7 +578,16 @@ def runs_table(records: Sequence[ResultRecord]) -> Table:
                  csv_columns=["run", "kind", "status", "rounds", "final", "best",
                               "best_round", *(["held_out"] if held else []),
                               "wall_seconds", "code"],
-                 csv_rows=csv_rows)
+                 csv_rows=csv_rows, notes=_stale_note(records))
+
+
+def _stale_note(records: Sequence[ResultRecord]) -> tuple[str, ...]:
+    stale = [f"{r.name} ({', '.join(r.changes)})" for r in records if r.status == STALE]
+    if not stale:
+        return ()
+    return ("Stale: finished under other settings than the grid's cell now (in "
+            "parentheses), so no table counts them; delete a run's folder and run the "
+            "grid again to rerun it: " + ", ".join(stale) + ".",)
 
 
 def _run_code(record: ResultRecord) -> str:
@@ -650,15 +661,19 @@ def write_report(records: Sequence[ResultRecord], out_dir: str | Path, *,
                             out_dir / f"{prefix}-{slug(setting)}-{split_slug(alpha)}.png")
                 if path:
                     figures.append(path)
-    figures += plot_partition_panels(records, out_dir)
+    panels, unreadable = plot_partition_panels(records, out_dir)
+    figures += panels
     delta = plot_deltas(records, out_dir / "delta.png")
     if delta:
         figures.append(delta)
 
     seeds = sorted({r.seed for r in records})
     done = sum(r.complete for r in records)
+    stale = sum(r.status == STALE for r in records)
     parts = [f"# Results{': ' + title if title else ''}", "",
-             (f"{done} of {len(records)} cells complete; seeds {', '.join(map(str, seeds))}. "
+             (f"{done} of {len(records)} cells complete"
+              + (f" ({stale} stale: see Runs)" if stale else "")
+              + f"; seeds {', '.join(map(str, seeds))}. "
               f"Values are mean ± sample std over seeds (the mean alone for one seed); "
               f"{MISSING} = not finished."), ""]
     for stem, heading, table in tables:
@@ -667,8 +682,11 @@ def write_report(records: Sequence[ResultRecord], out_dir: str | Path, *,
             atomic_write(out_dir / f"{stem}.{suffix}", content)
             written.append(out_dir / f"{stem}.{suffix}")
         parts += [f"## {heading}", "", markdown]
-    if figures:
+    if figures or unreadable:
         parts += ["## Figures", ""]
         parts += [f"![{p.stem}]({p.name})" for p in figures] + [""]
+    if unreadable:
+        parts += ["Left out of the partition heatmaps, their partition.json unreadable: "
+                  + "; ".join(unreadable) + ".", ""]
     atomic_write(out_dir / "report.md", "\n".join(parts))
     return [*written, *figures, out_dir / "report.md"]

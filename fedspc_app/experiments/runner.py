@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from fedspc_app.core.config import parse_stop_by, resolved_settings
+from fedspc_app.core.config import parse_stop_by
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.core.files import atomic_write, holder_text, lock_holder
 from fedspc_app.experiments.estimate import Estimate, estimate, machine_label, timed_runs
@@ -32,14 +32,14 @@ from fedspc_app.experiments.layout import (
     FAILURES_JSON,
     GRID_JSON,
     LOGS_DIR,
-    RESULT_IRRELEVANT,
     read_failures,
     read_json,
+    result_changes,
 )
 from fedspc_app.launch.processes import run_logged
 from fedspc_app.launch.runconfig import run_config_file
 from fedspc_app.launch.superlink import LocalSuperLink, SimulationFailed, run_simulation
-from fedspc_app.runs.checkpoint import CHECKPOINT_JSON, FORMER_DEFAULTS, saved_progress
+from fedspc_app.runs.checkpoint import CHECKPOINT_JSON, saved_progress
 from fedspc_app.runs.pause import PAUSE_REQUEST, RunPaused, clear_pause, pause_requested
 from fedspc_app.runs.provenance import machine
 from fedspc_app.runs.results import CONFIG_JSON, METRICS_JSON, SUMMARY_JSON, format_duration
@@ -50,37 +50,38 @@ CELL_ERRORS = (SimulationFailed, FedSPCError, TimeoutError)
 
 
 # ------------------------------------------------------------------------ status
-def is_done(cell: Cell) -> bool:
-    """Finished, and not a run the grid now asks to extend (:func:`extension`)."""
+def is_done(cell: Cell, clients: int | None = None) -> bool:
+    """Finished, and not a run the grid now asks to extend (:func:`extension`).
+    ``clients``, here and below: the grid's simulated clients (a federated cell's K
+    where its num-clients is 0), so that a run of another K is not extended."""
     summary = read_json(cell.run_dir / SUMMARY_JSON)
     return (isinstance(summary, dict) and summary.get("complete") is True
-            and _extends(cell, summary) is None)
+            and _extends(cell, summary, clients) is None)
 
 
-def extension(cell: Cell) -> int | None:
+def extension(cell: Cell, clients: int | None = None) -> int | None:
     """The rounds of a finished run that the grid extends: only its num-rounds grew,
     and it kept its checkpoint and clients' state (summary ``can-extend``)."""
-    return _extends(cell, read_json(cell.run_dir / SUMMARY_JSON))
+    return _extends(cell, read_json(cell.run_dir / SUMMARY_JSON), clients)
 
 
-def _extends(cell: Cell, summary: Any) -> int | None:
+def _extends(cell: Cell, summary: Any, clients: int | None) -> int | None:
     if (isinstance(summary, dict) and summary.get("complete") is True
             and summary.get("can-extend") is True
             and (cell.run_dir / CHECKPOINT_JSON).is_file()
-            and _grew(cell, config_changes(cell), summary)):
+            and _grew(cell, config_changes(cell, clients), summary)):
         return int(summary["rounds"])
     return None
 
 
-def config_changes(cell: Cell) -> list[str]:
-    """Run-config keys whose value differs between the grid and the finished run."""
-    recorded = read_json(cell.run_dir / CONFIG_JSON)
-    if not isinstance(recorded, dict) or not isinstance(recorded.get("run-config"), dict):
-        return []
-    # A key the run did not record had the value it had then (as for a checkpoint).
-    old = resolved_settings({**FORMER_DEFAULTS, **recorded["run-config"]})
-    return sorted(key for key, value in resolved_settings(cell.run_config).items()
-                  if key not in RESULT_IRRELEVANT and key in old and old[key] != value)
+def config_changes(cell: Cell, clients: int | None = None) -> list[str]:
+    """The settings that differ between the grid and the finished run
+    (:func:`~fedspc_app.experiments.layout.result_changes`): run-config keys, a
+    reference's epochs, learning rate, eval-every and lr-schedule, and with
+    ``clients`` a federated cell's K."""
+    return result_changes(cell.run_config, read_json(cell.run_dir / CONFIG_JSON),
+                          centralized=cell.centralized,
+                          clients=clients if cell.kind == "federated" else None)
 
 
 def _grew(cell: Cell, changed: Sequence[str], summary: Any) -> bool:
@@ -90,9 +91,9 @@ def _grew(cell: Cell, changed: Sequence[str], summary: Any) -> bool:
             and rounds < cell.run_config["num-rounds"])
 
 
-def cell_status(cell: Cell, failures: Mapping[str, Any]) -> str:
+def cell_status(cell: Cell, failures: Mapping[str, Any], clients: int | None = None) -> str:
     """``done``, ``failed`` (recorded in failures.json) or ``pending``."""
-    if is_done(cell):
+    if is_done(cell, clients):
         return "done"
     return "failed" if cell.name in failures else "pending"
 
@@ -105,7 +106,7 @@ def is_private(cell: Cell) -> bool:
                                               or 0.0) > 0
 
 
-def progress_note(cell: Cell) -> str:
+def progress_note(cell: Cell, clients: int | None = None) -> str:
     """How far an unfinished federated cell got (its checkpoint; the time it has run
     too, but for a private cell); for rounds recorded without a checkpoint to continue
     from, that they are run again; or ""."""
@@ -117,7 +118,7 @@ def progress_note(cell: Cell) -> str:
         return (f" (starts over: the {recorded} rounds in its folder have no checkpoint)"
                 if recorded else "")
     rounds, seconds = saved
-    verb = "extends the finished run" if extension(cell) is not None else "resumes"
+    verb = "extends the finished run" if extension(cell, clients) is not None else "resumes"
     so_far = "" if is_private(cell) else f", {format_duration(seconds)} run so far"
     return f" ({verb} after round {rounds} of {cell.run_config['num-rounds']}{so_far})"
 
@@ -292,11 +293,12 @@ def _todo(grid: Grid, cells: Sequence[Cell], failures: Mapping[str, Any], outcom
           retry_failed: bool, echo: Echo) -> list[Cell]:
     """The cells to run; the others go to ``outcome``."""
     todo: list[Cell] = []
+    clients = grid.simulation.clients
     for cell in cells:
-        status = cell_status(cell, failures)
+        status = cell_status(cell, failures, clients)
         if status == "done":
             outcome.skipped.append(cell.name)
-            changed = config_changes(cell)
+            changed = config_changes(cell, clients)
             if changed:
                 grew = _grew(cell, changed, read_json(cell.run_dir / SUMMARY_JSON))
                 echo(f"note: {cell.name} finished with different {', '.join(changed)}; "
@@ -346,9 +348,12 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
     outcome = GridOutcome()
     todo = _todo(grid, cells, failures, outcome, retry_failed, echo)
     total = len(cells)
-    done = len(outcome.skipped)
+    # A cell's number is its place in the run (after the cells not run); only
+    # finished cells count as done, not failed ones.
+    before = total - len(todo)
     measured = _measured_eta(grid, todo)
-    echo(f"Grid {grid.name}: {total} cells in {grid.directory}; {done} done, "
+    echo(f"Grid {grid.name}: {total} cells in {grid.directory}; {len(outcome.skipped)} "
+         "done, "
          f"{len(todo)} to run" + (f", {len(outcome.failed)} failed before (not retried; "
                                   "--retry-failed reruns them)" if outcome.failed else "")
          + (f"; ≈ {format_duration(measured)} by the rounds measured so far"
@@ -356,19 +361,21 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
     times = GridTimes(clock())
     overheads: list[float] = []
     for index, cell in enumerate(todo, start=1):
+        number = f"[{before + index}/{total}]"
         if pause_requested(grid.directory, since):
             outcome.paused = True
             break
         late = _past_stop_by(grid, cell, wall())
         if late:
             outcome.paused, outcome.pause_reason = True, late
-            echo(f"[{done + 1}/{total}] {cell.name} not started: {late}")
+            echo(f"{number} {cell.name} not started: {late}")
             break
         log_file = log_path(grid, cell)
         log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(log_file, "a", encoding="utf-8") as handle:
             handle.write(f"\n=== {cell.name} | {_now()} | {describe(cell)}\n")
-        echo(f"[{done + 1}/{total}] {cell.name}: {describe(cell)}{progress_note(cell)}")
+        echo(f"{number} {cell.name}: {describe(cell)}"
+             f"{progress_note(cell, grid.simulation.clients)}")
         cell_started = clock()
         # Under differential privacy a cell's time grows with how many clients its
         # rounds drew: its line gives no time (nor the elapsed time and ETA it moves).
@@ -380,7 +387,7 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
             outcome.paused, outcome.pause_reason = True, paused.reason
             why = f" ({paused.reason})" if paused.reason else ""
             times.add(clock() - cell_started, private)
-            echo(f"[{done + 1}/{total}] {cell.name} paused after round {paused.after_round}"
+            echo(f"{number} {cell.name} paused after round {paused.after_round}"
                  f" of {paused.num_rounds}{why}"
                  + ("" if private else f" | {times.elapsed(clock())}"))
             break
@@ -407,10 +414,8 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
             result = ("done" if private else f"done in {format_duration(seconds)}") + (
                 f", final accuracy {100 * final:.2f}%" if isinstance(final, (int, float))
                 else "")
-        done += 1
         if private:
-            echo(f"[{done}/{total}] {cell.name} {result} (no times under differential "
-                 "privacy)")
+            echo(f"{number} {cell.name} {result} (no times under differential privacy)")
             continue
         # Measured rounds predict the rest best; else the (non-private) cells run so
         # far (failed cells often stop early, so successful ones predict better).
@@ -419,7 +424,7 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
             measured += statistics.median(overheads) * (len(todo) - index)
         eta = format_duration(measured if measured is not None
                               else times.mean() * (len(todo) - index))
-        echo(f"[{done}/{total}] {cell.name} {result} | {times.elapsed(clock())} | ETA {eta}")
+        echo(f"{number} {cell.name} {result} | {times.elapsed(clock())} | ETA {eta}")
     if outcome.failed:
         echo(f"{len(outcome.failed)} cell(s) failed:")
         for name, log in outcome.failed.items():
@@ -427,6 +432,7 @@ def _run_cells(grid: Grid, cells: Sequence[Cell], *,
     if outcome.paused:
         how = (f"at its stop-by time ({outcome.pause_reason.removeprefix('stop-by ')})"
                if outcome.pause_reason else "on request")
+        done = len(outcome.skipped) + len(outcome.ran)
         echo(f"Grid {grid.name} paused {how} with {done} of {total} selected cells "
              "done; the same command continues it.")
     elif not outcome.failed:
@@ -475,7 +481,7 @@ def print_plan(grid: Grid, cells: Sequence[Cell], echo: Echo = print,
     federated cells the time they will take, from the rounds of this grid's runs and
     of the runs in ``times_from`` (:mod:`fedspc_app.experiments.estimate`)."""
     failures = read_failures(grid.directory)
-    statuses = [cell_status(cell, failures) for cell in cells]
+    statuses = [cell_status(cell, failures, grid.simulation.clients) for cell in cells]
     counts = {s: statuses.count(s) for s in ("done", "failed", "pending")}
     sim = grid.simulation
     echo(f"Grid {grid.name}: {len(cells)} of {len(grid.cells)} cells selected in "
@@ -495,7 +501,7 @@ def print_plan(grid: Grid, cells: Sequence[Cell], echo: Echo = print,
     here, found = time_left(grid, unfinished, times_from)
     estimates = dict(zip((cell.name for cell in unfinished), found))
     for cell, status in zip(cells, statuses):
-        note = progress_note(cell) if status != "done" else ""
+        note = progress_note(cell, sim.clients) if status != "done" else ""
         echo(f"  {status:<7} {cell.name:<{width}}  {describe(cell)}{note}")
         if estimates.get(cell.name) is not None:
             echo(f"{'':10}{estimates[cell.name].describe()}")
