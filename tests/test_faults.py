@@ -25,11 +25,20 @@ from fedspc_app import client_app, server_app
 from fedspc_app.client_app import check_node_config
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.errors import ConfigError
-from fedspc_app.core.files import folder_lock
+from fedspc_app.core.files import atomic_open, folder_lock
 from fedspc_app.core.protocol import ARRAYS, GLOBAL_REFERENCE, METRICS
 from fedspc_app.core.records import from_record
 from fedspc_app.runs import provenance
-from fedspc_app.runs.checkpoint import CHECKPOINT_JSON
+from fedspc_app.runs.checkpoint import (
+    CHECKPOINT_JSON,
+    COMPLETE,
+    Checkpoint,
+    fingerprint,
+    read_checkpoint,
+    remove_checkpoint,
+    resume_point,
+    write_checkpoint,
+)
 from fedspc_app.runs.pause import PAUSE_REQUEST, request_pause
 from fedspc_app.runs.results import RunRecorder
 
@@ -703,3 +712,44 @@ def test_a_finite_blow_up_fails_its_rounds_and_stops_the_run(tmp):
         for key, value in broadcast(grid, server_round).items():
             np.testing.assert_array_equal(value, first[key])
     assert all_finite(first)
+
+
+# ------------------------------------------------------------- checkpoint files
+def state_after(server_round: int, value: float) -> Checkpoint:
+    """A checkpoint whose shared block and u_bar hold ``value``."""
+    return Checkpoint(server_round, COMPLETE, {"w": np.full(2, value)},
+                      {"u": np.full(2, value)}, {})
+
+
+def test_an_arrays_file_a_killed_write_left_is_never_taken_for_a_later_round(tmp):
+    config = parse_run_config({**BASE, "checkpoint": True, "resume": True,
+                               "output-dir": str(tmp), "run-name": "run", "num-rounds": 10})
+    identity = fingerprint(config, K)
+    write_checkpoint(config.run_dir, state_after(3, 3.0), identity, new_arrays=True)
+    # Round 4's first attempt wrote its arrays and was killed before checkpoint.json.
+    with atomic_open(config.run_dir / "checkpoint-r00004.npz") as handle:
+        np.savez(handle, **{"shared/w": np.full(2, 4.0), "reference/u": np.full(2, 4.0)})
+    assert resume_point(config, identity).round == 3
+    # The retried round 4 fails: its record keeps round 3's shared block and u_bar.
+    write_checkpoint(config.run_dir, state_after(4, 3.0), identity, new_arrays=False)
+    saved = read_checkpoint(config.run_dir, identity)
+    assert saved.round == 4 and saved.shared["w"].tolist() == [3.0, 3.0]
+    assert np.asarray(saved.global_reference["u"]).tolist() == [3.0, 3.0]
+    # Killed in round 1's first write: no checkpoint.json, and the arrays go too.
+    remove_checkpoint(config.run_dir)
+    with atomic_open(config.run_dir / "checkpoint-r00001.npz") as handle:
+        np.savez(handle, **{"shared/w": np.full(2, 1.0)})
+    assert resume_point(config, identity) is None
+    assert not list(config.run_dir.glob("checkpoint*"))
+
+
+def test_what_a_killed_checkpoint_write_left_is_removed(tmp):
+    leftovers = (".checkpoint-r00001.npz.4fypfipp.tmp", f".{CHECKPOINT_JSON}.x7k2q9ab.tmp")
+    for name in leftovers:
+        (tmp / name).write_bytes(b"half a file")
+    write_checkpoint(tmp, state_after(2, 2.0), {}, new_arrays=True)
+    assert sorted(p.name for p in tmp.iterdir()) == ["checkpoint-r00002.npz", CHECKPOINT_JSON]
+    for name in leftovers:
+        (tmp / name).write_bytes(b"half a file")
+    remove_checkpoint(tmp)
+    assert list(tmp.iterdir()) == []

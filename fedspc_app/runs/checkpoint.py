@@ -6,7 +6,9 @@ clients may commit the state they staged) and after evaluation (phase
 ``complete``: the round's metrics). Two files: ``checkpoint-r<round>.npz`` holds
 the arrays, ``checkpoint.json`` the rest and the name of the arrays file. Both are
 written atomically, the arrays first, so ``checkpoint.json`` always names a
-complete arrays file; older arrays files are removed after it is replaced.
+complete arrays file; older arrays files, and what an interrupted write left (an
+arrays file it does not name, a temporary file), are removed after it is replaced
+and when a run starts.
 """
 
 from __future__ import annotations
@@ -119,9 +121,7 @@ def write_checkpoint(run_dir: Path, checkpoint: Checkpoint, identity: dict[str, 
         "trained": checkpoint.trained,
     }
     atomic_write(run_dir / CHECKPOINT_JSON, json.dumps(payload, indent=1, default=_plain))
-    for old in run_dir.glob("checkpoint-r*.npz"):
-        if old.name != name:
-            old.unlink(missing_ok=True)
+    _remove_leftovers(run_dir, keep=name)
 
 
 def read_checkpoint(run_dir: Path, identity: dict[str, Any]) -> Checkpoint | None:
@@ -194,10 +194,20 @@ def saved_progress(run_dir: Path) -> tuple[int, float] | None:
 
 
 def remove_checkpoint(run_dir: Path) -> None:
+    """Remove the checkpoint in ``run_dir``, with what interrupted writes left of one."""
     run_dir = Path(run_dir)
     (run_dir / CHECKPOINT_JSON).unlink(missing_ok=True)
-    for old in run_dir.glob("checkpoint-r*.npz"):
-        old.unlink(missing_ok=True)
+    _remove_leftovers(run_dir, keep=None)
+
+
+def _remove_leftovers(run_dir: Path, keep: str | None) -> None:
+    """Remove the arrays files in ``run_dir`` but ``keep`` (the one ``checkpoint.json``
+    names), and the temporary files of writes a killed process left behind; only the
+    process that holds the run folder's lock calls this."""
+    for old in (*run_dir.glob("checkpoint-r*.npz"), *run_dir.glob(".checkpoint-r*.npz.*.tmp"),
+                *run_dir.glob(f".{CHECKPOINT_JSON}.*.tmp")):
+        if old.name != keep:
+            old.unlink(missing_ok=True)
 
 
 def _plain(value: Any) -> Any:
@@ -301,6 +311,9 @@ def resume_point(config: RunConfig, identity: dict) -> Checkpoint | None:
         remove_checkpoint(config.run_dir)
         return None
     resumed = read_checkpoint(config.run_dir, identity)
+    # An arrays file checkpoint.json does not name is what a killed write left: never
+    # the state of a round this run records.
+    _remove_leftovers(config.run_dir, keep=_arrays_name(resumed.round) if resumed else None)
     if resumed is None:
         log(INFO, "resume = true but %s holds no checkpoint: starting at round 1",
             config.run_dir)
