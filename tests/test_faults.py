@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -461,6 +462,23 @@ def test_a_pause_that_cannot_or_need_not_stop_the_run_is_dropped(tmp, overrides,
     _, rounds, error = run(tmp, grid_type=pausing(pause_at, tmp / "run", stale),
                            num_rounds=2, **overrides)
     assert error is None and len(rounds) == 2 and summary_of(tmp)["complete"] is True
+    assert not (tmp / "run" / PAUSE_REQUEST).exists()
+
+
+def test_a_pause_asked_while_the_run_starts_up_stops_it_after_round_1(tmp, monkeypatch):
+    real = server_app.provenance
+
+    def asked_meanwhile(*args):
+        # The run holds its folder's lock and prepares (provenance, the clients'
+        # warm-up): `experiments pause` accepts a request now.
+        request_pause(tmp / "run")
+        time.sleep(0.05)
+        return real(*args)
+
+    monkeypatch.setattr(server_app, "provenance", asked_meanwhile)
+    _, rounds, error = run(tmp, checkpoint=True, num_rounds=2)
+    assert error is None and [r["round"] for r in rounds] == [1]
+    assert summary_of(tmp)["paused-after-round"] == 1
     assert not (tmp / "run" / PAUSE_REQUEST).exists()
 
 

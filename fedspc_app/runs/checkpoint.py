@@ -219,17 +219,20 @@ class RoundRecords:
     after its evaluation the progress line, the results files and the checkpoint,
     then the pause request (:mod:`fedspc_app.runs.pause`): one present ends the run
     there by raising :class:`RunPaused`. ``strategy`` answers ``state_dict()`` and
-    ``state_arrays()`` (strategies/)."""
+    ``state_arrays()`` (strategies/). ``since``: when the run took its folder's lock (a
+    ``time.time()``, default now); a pause request from before it is stale."""
 
     def __init__(self, config: RunConfig, strategy: Any, recorder: RunRecorder,
-                 identity: dict, resumed: Checkpoint | None) -> None:
+                 identity: dict, resumed: Checkpoint | None, *,
+                 since: float | None = None) -> None:
         self.config = config
         self.strategy = strategy
         self.recorder = recorder
         self.identity = identity
         self.failed_streak = resumed.failed_streak if resumed else 0
         self.shared = resumed.shared if resumed else {}
-        self.started = time.time()  # pause requests from before this are stale
+        self.started = time.time()
+        self.since = self.started if since is None else since
         self.round_ends = [self.started]  # for stop-by: this segment's round times
         self.warned_stop_by = False
 
@@ -275,7 +278,7 @@ class RoundRecords:
         if server_round >= self.config.num_rounds:
             return
         reason = None
-        if pause_requested(self.recorder.run_dir, self.started):
+        if pause_requested(self.recorder.run_dir, self.since):
             reason = ""
         deadline = self.config.stop_by_time
         if (reason is None and deadline is not None
