@@ -533,6 +533,30 @@ def test_a_finished_run_that_kept_its_client_state_extends_as_if_never_stopped(t
     assert summary_of(tmp / "b")["can-extend"] is False
 
 
+def test_an_extension_stopped_before_its_first_new_round_leaves_the_run_finishable(tmp):
+    _, expected, _ = run(tmp, checkpoint=True, keep_client_state=True, num_rounds=2)
+
+    def crashing(*args):  # killed at once: no new round recorded, no summary written
+        grid = Crashing(*args)
+        grid.crash_at = 0
+        return grid
+
+    with pytest.raises(Crash):
+        run(tmp, grid_type=crashing, checkpoint=True, keep_client_state=True, resume=True,
+            num_rounds=3)
+    assert not (tmp / "run" / "summary.json").exists()
+    # Back at its old length, the run is finished again from its checkpoint.
+    grid, rounds, error = run(tmp, checkpoint=True, keep_client_state=True, resume=True,
+                              num_rounds=2)
+    assert error is None and grid.sent == []
+    assert accuracies(rounds) == accuracies(expected)
+    assert summary_of(tmp)["complete"] and summary_of(tmp)["rounds"] == 2
+    assert summary_of(tmp)["can-extend"] is True
+    _, _, error = run(tmp, checkpoint=True, keep_client_state=True, resume=True,
+                      num_rounds=2)
+    assert error is not None and "already at round 2 of num-rounds = 2" in error
+
+
 def test_a_finished_run_without_its_client_state_is_not_extended(tmp):
     run(tmp, checkpoint=True, num_rounds=2)
     assert summary_of(tmp)["can-extend"] is False

@@ -37,7 +37,7 @@ from fedspc_app.runs.pause import (
     next_round_ends_after,
     pause_requested,
 )
-from fedspc_app.runs.results import CHECKPOINT_SECONDS, RunRecorder
+from fedspc_app.runs.results import CHECKPOINT_SECONDS, RunRecorder, read_summary
 from fedspc_app.runs.runfolder import CHECKPOINT_JSON
 
 FORMAT_VERSION = 1
@@ -306,7 +306,10 @@ def resume_point(config: RunConfig, identity: dict) -> Checkpoint | None:
 
     A run that does not resume starts in a folder that holds no run, or replaces one
     on ``overwrite = true``: :func:`fedspc_app.runs.runfolder.claim_run_folder` has
-    settled which before anything is written.
+    settled which before anything is written. A checkpoint after the last round of a
+    run whose summary was not written (stopped after that round, or in an extension
+    before its first new round) is returned too: the run then trains no round and
+    writes its results.
     """
     if not config.resume:
         if not config.overwrite and (config.run_dir / CHECKPOINT_JSON).is_file():
@@ -321,6 +324,10 @@ def resume_point(config: RunConfig, identity: dict) -> Checkpoint | None:
         log(INFO, "resume = true but %s holds no checkpoint: starting at round 1",
             config.run_dir)
     elif resumed.round >= config.num_rounds and resumed.phase == COMPLETE:
-        raise ConfigError(f"the checkpoint in {config.run_dir} is already at round "
-                          f"{resumed.round} of num-rounds = {config.num_rounds}")
+        summary = read_summary(config.run_dir) or {}
+        if resumed.round > config.num_rounds or summary.get("complete"):
+            raise ConfigError(f"the checkpoint in {config.run_dir} is already at round "
+                              f"{resumed.round} of num-rounds = {config.num_rounds}")
+        log(INFO, "%s has done all %d rounds but has no summary: writing its results",
+            config.run_dir, resumed.round)
     return resumed
