@@ -3,6 +3,7 @@ hygiene, the environment of launched processes, error reports."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.util
 import json
@@ -489,6 +490,17 @@ def test_worker_overhead_times_the_same_client_in_plain_processes(capsys, monkey
     assert line.startswith("process ") and "images/s per worker" in line
     assert "first calls" in line and line.count(",") >= 1  # one first call per worker
     assert script.summary([[(9.0, 100), (2.0, 100)], [(8.0, 50), (1.0, 50)]]) == (1.5, 50.0)
+
+
+def test_set_given_twice_applies_both_the_later_winning():
+    parser = argparse.ArgumentParser()
+    cli.add_run_config_arguments(parser)
+    cli.add_resource_arguments(parser)
+    args = parser.parse_args(["--set", "num-rounds=3 output-dir='out'", "--set",
+                              "fedspc=true num-rounds=4"])
+    assert cli.simulation_overrides(args) == {"num-rounds": 4, "output-dir": "out",
+                                              "fedspc": True}
+    assert parser.parse_args([]).set == ""
 
 
 def test_simulate_reports_a_failed_launch_with_exit_code_1(standin, monkeypatch, capsys):

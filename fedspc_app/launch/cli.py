@@ -25,10 +25,20 @@ RUN_ERRORS = (FedSPCError, SimulationFailed, LaunchFailed, TimeoutError, OSError
 """What a started run can fail with, short of a bug."""
 
 
+class JoinedAssignments(argparse.Action):
+    """``--set``: repeatable, its values joined with spaces in the order given (a key
+    set twice takes the later value)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        earlier = getattr(namespace, self.dest, None) or ""
+        setattr(namespace, self.dest, f"{earlier} {values}".strip())
+
+
 def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-config", help="TOML preset of run-config overrides (conf/*.toml)")
-    parser.add_argument("--set", default="", help='overrides applied after the preset, e.g. '
-                        '"num-rounds=3 fedspc=true"')
+    parser.add_argument("--set", default="", action=JoinedAssignments,
+                        help='overrides applied after the preset, e.g. "num-rounds=3 '
+                             'fedspc=true" (repeatable)')
 
 
 def add_resource_arguments(parser: argparse.ArgumentParser) -> None:
