@@ -107,8 +107,16 @@ def parse_assignments(text: str) -> dict[str, Any]:
 
 
 def load_overrides(preset: str | Path | None = None, assignments: str = "") -> dict[str, Any]:
-    """What a user asks for on a command line: the TOML ``preset``, then ``assignments``."""
+    """What a user asks for on a command line: the TOML ``preset``, then ``assignments``.
+    A preset's values are scalars, as Flower's run-config carries them: a TOML array,
+    table or date-time is a ConfigError naming the key."""
     overrides = read_toml(preset) if preset else {}
+    for key, value in overrides.items():
+        if not isinstance(value, (bool, int, float, str)):
+            raise ConfigError(
+                f"run-config file {preset}: '{key}' must be a TOML number, true/false or a "
+                f"quoted string, got {value!r} (quote it: a time as stop-by = "
+                '"2026-12-05T18:30:00+01:00", keys as shared-keys = "features.0,features.3")')
     overrides.update(parse_assignments(assignments))
     return overrides
 
