@@ -362,6 +362,14 @@ def test_a_run_that_paused_on_request_is_reported_as_paused(tmp_path, monkeypatc
     assert "paused after round 2 of 5; the same command with --resume continues it" in (
         capsys.readouterr().err)
 
+    def raise_stopped_by(*_args, **_kwargs):  # its stop-by has come: say to change it
+        raise RunPaused(2, 5, "r", "stop-by 2026-12-05T17:30:00+00:00")
+
+    monkeypatch.setattr(cli, "run_simulation", raise_stopped_by)
+    assert cli.simulate_once(run_config, args) == cli.PAUSED
+    assert ("(stop-by 2026-12-05T17:30:00+00:00); the same command with --resume and a "
+            "later stop-by (or none) continues it") in capsys.readouterr().err
+
 
 def test_flwr_run_timeout_kills_everything_it_started(tmp_path, standin):
     log = tmp_path / "run.log"

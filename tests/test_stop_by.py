@@ -109,12 +109,16 @@ def accuracies(rounds):
     return [(r["round"], r["accuracy"], r["client-accuracy"]) for r in rounds]
 
 
-def test_a_run_past_its_stop_by_pauses_after_one_round_and_resumes_as_if_never_stopped(tmp_path):
+def test_a_run_past_its_stop_by_pauses_after_one_round_and_resumes_as_if_never_stopped(
+        tmp_path, caplog):
     expected, _, _ = run(tmp_path / "alone")
-    rounds, summary, error = run(tmp_path / "b", stop_by=PASSED)
+    with caplog.at_level("INFO", logger="flwr"):
+        rounds, summary, error = run(tmp_path / "b", stop_by=PASSED)
     assert error is None and [r["round"] for r in rounds] == [1]
     assert summary["complete"] is False and summary["paused-after-round"] == 1
     assert summary["paused-by"] == f"stop-by {PASSED}"
+    # The same stop-by would pause it again after each round: the log says so.
+    assert "resume = true with a later stop-by (or none) continues it" in caplog.text
     # stop-by may change when a run resumes, like its other working limits
     rounds, summary, error = run(tmp_path / "b", stop_by=FAR, resume=True)
     assert error is None and summary["complete"] is True and "paused-by" not in summary

@@ -31,6 +31,7 @@ from flwr.serverapp import Grid
 
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.files import atomic_write
+from fedspc_app.runs.pause import STOP_BY
 from fedspc_app.runs.tensorboard import RoundScalars
 from fedspc_app.runs.wandb_log import WandbLog
 
@@ -489,7 +490,9 @@ class RunRecorder:
                 f"[{self.config.label}] paused after round {paused} of "
                 f"{self.config.num_rounds}{f' ({paused_by})' if paused_by else ''}"
                 + (f" ({took} run so far)" if took else "")
-                + f"; resume = true continues it; results in {self.run_dir}")
+                + "; resume = true" + (" with a later stop-by (or none)"
+                                       if paused_by.startswith(STOP_BY) else "")
+                + f" continues it; results in {self.run_dir}")
         elif evaluated:
             self.echo(
                 f"[{self.config.label}] done" + (f" in {took}" if took else "") + ": "
