@@ -256,6 +256,19 @@ def test_local_superlink_stops_everything_it_started(tmp_path, standin):
     assert all(_gone(pid) for pid in pids)
 
 
+def test_local_superlink_is_seen_up_with_a_proxy_in_the_environment(tmp_path, standin,
+                                                                    monkeypatch):
+    # A proxy cannot reach this machine's loopback: the health check goes direct.
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    link = LocalSuperLink(tmp_path / "home", startup_timeout=10).start()
+    pids = _pids(link.log_file)
+    link.stop()
+    assert all(_gone(pid) for pid in pids)
+
+
 # --- the environment of launched processes ---------------------------------------------
 
 BIN = str(Path(sys.executable).parent)
