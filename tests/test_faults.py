@@ -795,3 +795,17 @@ def test_what_a_killed_checkpoint_write_left_is_removed(tmp):
         (tmp / name).write_bytes(b"half a file")
     remove_checkpoint(tmp)
     assert list(tmp.iterdir()) == []
+
+
+@pytest.mark.parametrize("change", [{"node-wait": 600.0}, {"round-timeout": 600.0},
+                                    {"max-failed-rounds": 5}, {"min-train-replies": 0.8}])
+@pytest.mark.parametrize("recorded", [False, True])
+def test_the_failure_policy_may_change_when_a_run_resumes(tmp, change, recorded):
+    keys = {**BASE, "checkpoint": True, "output-dir": str(tmp), "run-name": "run"}
+    first = parse_run_config(keys)
+    identity = fingerprint(first, K)
+    if recorded:  # a checkpoint written while node-wait was part of the settings
+        identity["node-wait"] = first.node_wait
+    write_checkpoint(first.run_dir, state_after(2, 2.0), identity, new_arrays=True)
+    again = parse_run_config({**keys, "resume": True, **change})
+    assert read_checkpoint(again.run_dir, fingerprint(again, K)).round == 2

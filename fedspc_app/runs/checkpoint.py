@@ -48,7 +48,7 @@ SHARED, REFERENCE, OPTIMIZER = "shared/", "reference/", "optimizer/"
 # how patient it is. Any other difference means another experiment.
 MAY_CHANGE = frozenset({
     "num-rounds", "resume", "checkpoint", "output-dir", "data-dir", "download", "device",
-    "round-timeout", "min-train-replies", "max-failed-rounds", "keep-client-state",
+    "round-timeout", "node-wait", "min-train-replies", "max-failed-rounds", "keep-client-state",
     "client-state-dir", "overwrite", "tensorboard", "evaluate-server", "divergence-factor",
     "wandb", "wandb-project", "wandb-entity", "wandb-mode", "stop-by", "dp-phase-seconds",
 })
@@ -144,8 +144,9 @@ def read_checkpoint(run_dir: Path, identity: dict[str, Any]) -> Checkpoint | Non
         raise ConfigError(f"cannot resume from {path}: {error}") from error
     # A key added to the run-config after the checkpoint was written had its default,
     # or the value that default had then (FORMER_DEFAULTS); "auto" is compared resolved.
+    # A key that may change is not compared, where an older checkpoint recorded it too.
     saved = resolved_settings({**RunConfig().to_dict(), **FORMER_DEFAULTS, **payload["run"]})
-    differing = sorted(key for key in set(identity) | set(payload["run"])
+    differing = sorted(key for key in (set(identity) | set(payload["run"])) - MAY_CHANGE
                        if saved.get(key) != identity.get(key))
     if differing:
         details = ", ".join(f"{key}: checkpoint {saved.get(key)!r}, "
