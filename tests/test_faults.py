@@ -34,13 +34,14 @@ from fedspc_app.runs.checkpoint import (
     CHECKPOINT_JSON,
     COMPLETE,
     Checkpoint,
+    RoundRecords,
     fingerprint,
     read_checkpoint,
     remove_checkpoint,
     resume_point,
     write_checkpoint,
 )
-from fedspc_app.runs.pause import PAUSE_REQUEST, request_pause
+from fedspc_app.runs.pause import PAUSE_REQUEST, RunPaused, request_pause
 from fedspc_app.runs.results import RunRecorder
 
 K = 3
@@ -809,3 +810,30 @@ def test_the_failure_policy_may_change_when_a_run_resumes(tmp, change, recorded)
     write_checkpoint(first.run_dir, state_after(2, 2.0), identity, new_arrays=True)
     again = parse_run_config({**keys, "resume": True, **change})
     assert read_checkpoint(again.run_dir, fingerprint(again, K)).round == 2
+
+
+class NoState:
+    """A strategy's checkpointed parts, empty."""
+
+    def state_arrays(self):
+        return {}
+
+    def optimizer_arrays(self):
+        return {}
+
+    def state_dict(self):
+        return {}
+
+
+def test_a_run_the_privacy_budget_ends_early_is_not_paused_after_its_last_round(tmp):
+    config = parse_run_config({**BASE, "checkpoint": True, "output-dir": str(tmp),
+                               "run-name": "run", "num-rounds": 10})
+    recorder = RunRecorder(config, echo=lambda _: None)
+    recorder.start()
+    recorder.num_rounds = 3  # as dp-target-epsilon allowing 3 of the 10 rounds sets it
+    records = RoundRecords(config, NoState(), recorder, {}, None, since=0.0)
+    request_pause(recorder.run_dir)  # asked during round 2
+    with pytest.raises(RunPaused):
+        records.on_round_end(2, None, None, None)
+    request_pause(recorder.run_dir)  # asked during the last round: nothing to pause
+    records.on_round_end(3, None, None, None)

@@ -276,7 +276,7 @@ class RoundRecords:
         self.recorder.on_round_end(server_round, train_metrics, evaluate_metrics, report)
         self.checkpoint(server_round, COMPLETE, new_arrays=False)
         self.round_ends.append(time.time())
-        if server_round >= self.config.num_rounds:
+        if server_round >= self.recorder.num_rounds:  # fewer under dp-target-epsilon
             return
         reason = None
         if pause_requested(self.recorder.run_dir, self.since):
