@@ -43,11 +43,17 @@ def app_defaults(app_dir: Path = APP_DIR) -> dict[str, Any]:
 
 def absolute_paths(run_config: Mapping[str, Any]) -> dict[str, Any]:
     """``output-dir`` and ``data-dir`` made absolute against this process's cwd (the
-    ServerApp and ClientApps would resolve them against the SuperLink's)."""
+    ServerApp and ClientApps would resolve them against the SuperLink's); a ``~`` that
+    names no user's home is a ConfigError."""
     out = dict(run_config)
     for key in ("output-dir", "data-dir"):
         if out.get(key):
-            out[key] = str(Path(str(out[key])).expanduser().resolve())
+            try:
+                path = Path(str(out[key])).expanduser()
+            except RuntimeError:  # ~name of no user, or no home folder at all
+                raise ConfigError(f"run-config '{key}' = {out[key]!r}: cannot expand '~' "
+                                  "(no such user's home folder)") from None
+            out[key] = str(path.resolve())
     return out
 
 
