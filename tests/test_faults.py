@@ -837,3 +837,29 @@ def test_a_run_the_privacy_budget_ends_early_is_not_paused_after_its_last_round(
         records.on_round_end(2, None, None, None)
     request_pause(recorder.run_dir)  # asked during the last round: nothing to pause
     records.on_round_end(3, None, None, None)
+
+
+def without_run(folder: Path) -> None:
+    payload = json.loads((folder / CHECKPOINT_JSON).read_text())
+    del payload["run"]
+    (folder / CHECKPOINT_JSON).write_text(json.dumps(payload))
+
+
+def truncated_arrays(folder: Path) -> None:
+    arrays = folder / "checkpoint-r00002.npz"
+    arrays.write_bytes(arrays.read_bytes()[:100])
+
+
+@pytest.mark.parametrize("damage,message", [
+    (without_run, "no 'run'"),
+    (truncated_arrays, "not a zip file"),
+    (lambda folder: (folder / CHECKPOINT_JSON).write_text("null"), "not a JSON object"),
+    (lambda folder: (folder / CHECKPOINT_JSON).write_text("[1, 2]"), "not a JSON object"),
+    (lambda folder: (folder / CHECKPOINT_JSON).write_text('{"format": 1, "run": 3, '
+                                                          '"strategy": {}}'), "JSON objects"),
+])
+def test_a_damaged_checkpoint_is_one_config_error_naming_it(tmp, damage, message):
+    write_checkpoint(tmp, state_after(2, 2.0), {}, new_arrays=True)
+    damage(tmp)
+    with pytest.raises(ConfigError, match=f"cannot resume from .*{CHECKPOINT_JSON}: .*{message}"):
+        read_checkpoint(tmp, {})

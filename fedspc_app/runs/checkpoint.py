@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import zipfile
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from pathlib import Path
@@ -137,37 +138,46 @@ def read_checkpoint(run_dir: Path, identity: dict[str, Any]) -> Checkpoint | Non
         return None
     try:
         payload = json.loads(path.read_text())
+        if not isinstance(payload, dict):
+            raise TypeError(f"it holds {type(payload).__name__}, not a JSON object")
         if payload.get("format") != FORMAT_VERSION:
             raise ValueError(f"format {payload.get('format')!r}, expected {FORMAT_VERSION}")
+        run, strategy = payload["run"], payload["strategy"]
+        if not isinstance(run, dict) or not isinstance(strategy, dict):
+            raise TypeError("its 'run' and 'strategy' must be JSON objects")
+        if payload["phase"] not in (TRAINED, COMPLETE):
+            raise ValueError(f"phase {payload['phase']!r}")
         arrays = _read_arrays(Path(run_dir) / payload["arrays"])
-    except (OSError, ValueError, KeyError) as error:
-        raise ConfigError(f"cannot resume from {path}: {error}") from error
+        checkpoint = Checkpoint(
+            round=int(payload["round"]),
+            phase=payload["phase"],
+            shared={k[len(SHARED):]: v for k, v in arrays.items() if k.startswith(SHARED)},
+            global_reference={k[len(REFERENCE):]: v for k, v in arrays.items()
+                              if k.startswith(REFERENCE)},
+            optimizer={k[len(OPTIMIZER):]: v for k, v in arrays.items()
+                       if k.startswith(OPTIMIZER)},
+            strategy=strategy,
+            failed_streak=int(payload["failed-streak"]),
+            rounds=list(payload["rounds"]),
+            elapsed_seconds=float(payload["elapsed-seconds"]),
+            train_metrics=payload.get("train-metrics"),
+            trained=payload.get("trained"),
+        )
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as error:
+        what = f"no {error}" if isinstance(error, KeyError) else str(error)
+        raise ConfigError(f"cannot resume from {path}: {what}") from error
     # A key added to the run-config after the checkpoint was written had its default,
     # or the value that default had then (FORMER_DEFAULTS); "auto" is compared resolved.
     # A key that may change is not compared, where an older checkpoint recorded it too.
-    saved = resolved_settings({**RunConfig().to_dict(), **FORMER_DEFAULTS, **payload["run"]})
-    differing = sorted(key for key in (set(identity) | set(payload["run"])) - MAY_CHANGE
+    saved = resolved_settings({**RunConfig().to_dict(), **FORMER_DEFAULTS, **run})
+    differing = sorted(key for key in (set(identity) | set(run)) - MAY_CHANGE
                        if saved.get(key) != identity.get(key))
     if differing:
         details = ", ".join(f"{key}: checkpoint {saved.get(key)!r}, "
                             f"run-config {identity.get(key)!r}" for key in differing[:6])
         raise ConfigError(f"the checkpoint in {run_dir} belongs to another run ({details}); "
                           "resume with the same settings, or pick another run-name")
-    return Checkpoint(
-        round=int(payload["round"]),
-        phase=payload["phase"],
-        shared={k[len(SHARED):]: v for k, v in arrays.items() if k.startswith(SHARED)},
-        global_reference={k[len(REFERENCE):]: v for k, v in arrays.items()
-                          if k.startswith(REFERENCE)},
-        optimizer={k[len(OPTIMIZER):]: v for k, v in arrays.items()
-                   if k.startswith(OPTIMIZER)},
-        strategy=payload["strategy"],
-        failed_streak=int(payload["failed-streak"]),
-        rounds=list(payload["rounds"]),
-        elapsed_seconds=float(payload["elapsed-seconds"]),
-        train_metrics=payload.get("train-metrics"),
-        trained=payload.get("trained"),
-    )
+    return checkpoint
 
 
 def _read_arrays(path: Path) -> dict[str, np.ndarray | Deferred]:
