@@ -863,3 +863,17 @@ def test_a_damaged_checkpoint_is_one_config_error_naming_it(tmp, damage, message
     damage(tmp)
     with pytest.raises(ConfigError, match=f"cannot resume from .*{CHECKPOINT_JSON}: .*{message}"):
         read_checkpoint(tmp, {})
+
+
+def test_the_folder_named_explicitly_resumes_the_run_its_default_name_started(tmp):
+    keys = {**BASE, "checkpoint": True, "output-dir": str(tmp)}
+    first = parse_run_config(keys)  # the default run name
+    write_checkpoint(first.run_dir, state_after(2, 2.0), fingerprint(first, K),
+                     new_arrays=True)
+    again = parse_run_config({**keys, "resume": True, "run-name": first.resolved_run_name})
+    assert again.run_dir == first.run_dir
+    assert read_checkpoint(again.run_dir, fingerprint(again, K)).round == 2
+    # A checkpoint written while run-name was part of the settings resumes too.
+    write_checkpoint(first.run_dir, state_after(2, 2.0),
+                     {**fingerprint(first, K), "run-name": ""}, new_arrays=True)
+    assert read_checkpoint(again.run_dir, fingerprint(again, K)).round == 2

@@ -45,13 +45,15 @@ FORMAT_VERSION = 1
 TRAINED, COMPLETE = "trained", "complete"
 SHARED, REFERENCE, OPTIMIZER = "shared/", "reference/", "optimizer/"
 
-# Run-config keys a resumed run may change: where things live, how long it runs,
-# how patient it is. Any other difference means another experiment.
+# Run-config keys a resumed run may change: where things live (the run folder, not
+# the spelling of its name, is the run), how long it runs, how patient it is. Any
+# other difference means another experiment.
 MAY_CHANGE = frozenset({
-    "num-rounds", "resume", "checkpoint", "output-dir", "data-dir", "download", "device",
-    "round-timeout", "node-wait", "min-train-replies", "max-failed-rounds", "keep-client-state",
-    "client-state-dir", "overwrite", "tensorboard", "evaluate-server", "divergence-factor",
-    "wandb", "wandb-project", "wandb-entity", "wandb-mode", "stop-by", "dp-phase-seconds",
+    "num-rounds", "resume", "checkpoint", "output-dir", "run-name", "data-dir", "download",
+    "device", "round-timeout", "node-wait", "min-train-replies", "max-failed-rounds",
+    "keep-client-state", "client-state-dir", "overwrite", "tensorboard", "evaluate-server",
+    "divergence-factor", "wandb", "wandb-project", "wandb-entity", "wandb-mode", "stop-by",
+    "dp-phase-seconds",
 })
 
 # Run-config keys whose default changed, or that were added: what a checkpoint that
