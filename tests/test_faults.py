@@ -328,7 +328,8 @@ def strings(tree) -> list[str]:
 
 def test_config_json_holds_no_path_of_this_machine_and_the_run_still_resumes(tmp):
     # Absolute paths, as the launcher hands them to the ServerApp (digits ignores data-dir).
-    paths = {"checkpoint": True, "num_rounds": 2, "data_dir": str(tmp / "data")}
+    paths = {"checkpoint": True, "num_rounds": 2, "data_dir": str(tmp / "data"),
+             "client_state_dir": str(tmp / "state")}
 
     def crashing(*args):
         grid = Crashing(*args)
@@ -344,6 +345,7 @@ def test_config_json_holds_no_path_of_this_machine_and_the_run_still_resumes(tmp
         written = json.loads((tmp / "run" / "config.json").read_text())
         assert written["run-config"]["output-dir"] == ".."  # the run folder's parent
         assert written["run-config"]["data-dir"] == ""  # the reader's own data folder
+        assert written["run-config"]["client-state-dir"] == "../state"  # the run folder's
         assert written["run-config"]["run-name"] == "run"
         assert [text for text in strings(written) if str(tmp) in text] == []
         assert written["resumed-after-round"] == (1 if resumed else 0)

@@ -128,10 +128,14 @@ def portable_run_config(run_config: Mapping[str, Any], folder: Path) -> dict[str
       absolute one becomes ``""``: the dataset is ``dataset``, and its files come from
       the default data folder of the machine that reads it, or any ``data-dir``
       given there.
+    * ``client-state-dir``, when set, is relative to ``folder`` as ``output-dir`` is
+      (``../state``; only its last component where the two share no folder below the
+      root): export looks for a simulation's client state there, against the run folder.
     """
     out = dict(run_config)
-    if out.get("output-dir"):
-        out["output-dir"] = relative_path(str(out["output-dir"]), folder)
+    for key in ("output-dir", "client-state-dir"):
+        if out.get(key):
+            out[key] = relative_path(str(out[key]), folder)
     if out.get("data-dir") and os.path.isabs(str(out["data-dir"])):
         out["data-dir"] = ""
     return out
