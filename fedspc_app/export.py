@@ -262,12 +262,18 @@ def saved_state(run: RunFolder, client: int,
 
 def state_folders(run: RunFolder, client_state: str | Path | None) -> list[Path]:
     """Where client states may be: ``client_state`` or its ``<run-name>/`` (a copied
-    state-dir); else where the simulation kept them (:func:`simulation_folder`)."""
+    state-dir); else where the simulation kept them (:func:`simulation_folder`): a
+    relative ``client-state-dir`` in config.json is the run folder's (as written since
+    config.json holds no absolute path), or the working directory's (as given before)."""
     name = run.config.resolved_run_name
     if client_state is not None:
         root = Path(client_state).expanduser()
         return [root, root / name]
-    return [simulation_folder(run.path, name, run.config.client_state_dir)]
+    recorded = run.config.client_state_dir
+    folders = [simulation_folder(run.path, name, recorded)]
+    if recorded and not Path(recorded).expanduser().is_absolute():
+        folders.insert(0, simulation_folder(run.path, name, str(run.path / recorded)))
+    return list(dict.fromkeys(folders))
 
 
 def missing_state_reason(run: RunFolder, client: int,

@@ -220,12 +220,13 @@ def main(grid: Grid, context: Context) -> None:
     with contextlib.ExitStack() as held:
         try:
             checked = check_run(grid, context)
+            locked = time.time()  # a pause request from before this is stale
             held.enter_context(folder_lock(checked.config.run_dir,
                                            f"run {checked.config.resolved_run_name!r}"))
         except FedSPCError as error:
             log(ERROR, "Run not started: %s", error)
             raise SystemExit(f"fedspc: {error}") from None
-        train(grid, checked)
+        train(grid, checked, locked)
 
 
 def check_run(grid: Grid, context: Context) -> CheckedRun:
@@ -272,8 +273,10 @@ def check_run(grid: Grid, context: Context) -> CheckedRun:
                       model, split, warming, dataset, nodes)
 
 
-def train(grid: Grid, checked: CheckedRun) -> None:
-    """The rounds of a checked run (resuming from its checkpoint when asked)."""
+def train(grid: Grid, checked: CheckedRun, locked: float | None = None) -> None:
+    """The rounds of a checked run (resuming from its checkpoint when asked).
+    ``locked``: when this process took the run folder's lock (a ``time.time()``); a
+    pause request made since, during the start-up too, is honoured."""
     config, method, split, num_clients = (checked.config, checked.method, checked.split,
                                           checked.num_clients)
     deployment, shape, sizes = checked.deployment, checked.shape, checked.sizes
@@ -356,7 +359,7 @@ def train(grid: Grid, checked: CheckedRun) -> None:
         else f"alpha={config.alpha:g}", config.num_rounds,
         describe_precision(precision, config.channels_last))
 
-    records = RoundRecords(config, strategy, recorder, identity, resumed)
+    records = RoundRecords(config, strategy, recorder, identity, resumed, since=locked)
     if not strategy.run_token:  # a new run (a resumed one keeps its checkpoint's)
         strategy.run_token = secrets.token_hex(8)
     if not deployment and config.checkpoint and keeps_client_state(method, config, split):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,10 @@ def test_kebab_case_keys_map_to_fields():
         ("download", 2),
         ("learning-rate", "fast"),
         ("alpha", False),
+        # a string key given a TOML/YAML array, table or date-time (no str() of it)
+        ("shared-keys", ["features.0", "features.3"]),
+        ("run-name", {"a": 1}),
+        ("stop-by", datetime(2026, 12, 5, 18, 30, tzinfo=timezone(timedelta(hours=1)))),
     ],
 )
 def test_wrong_type_names_the_key(key, value):

@@ -28,7 +28,7 @@ from fedspc_app.experiments.grid import (
 from fedspc_app.experiments.pausing import resolve_target
 from fedspc_app.experiments.records import load_records
 from fedspc_app.experiments.runner import run_grid
-from fedspc_app.launch.runconfig import app_defaults
+from fedspc_app.launch.runconfig import app_defaults, parse_assignments
 from fedspc_app.launch.superlink import SimulationFailed
 from fedspc_app.runs.pause import PAUSE_REQUEST, RunPaused, request_pause
 from fedspc_app.runs.results import start_results
@@ -201,6 +201,14 @@ def test_an_undeclared_x_key_fails_the_grid_before_anything_runs(tmp_path, monke
                 "--set", "x-note='a'"]
         assert cli.main(argv) == 2, command
     assert calls == [] and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("command", ["run", "list", "centralized"])
+def test_the_grid_commands_take_set_more_than_once(command):
+    argv = [command] if command == "centralized" else [command, "g.yaml"]
+    args = cli.build_parser().parse_args([*argv, "--set", "num-rounds=3 seed=1",
+                                          "--set", "seed=2"])
+    assert parse_assignments(args.set) == {"num-rounds": 3, "seed": 2}
 
 
 def test_set_overrides_every_cell_but_not_an_axis(tmp_path):

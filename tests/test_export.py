@@ -209,6 +209,22 @@ def test_the_module_prints_its_usage():
 
 
 # ------------------------------------------------------------------ the client state
+def test_a_client_state_dir_outside_the_run_folder_is_found_from_config_json(runs, fedper):
+    state = fedper.parent / "states"  # an absolute client-state-dir beside the runs
+    run_dir = runs("fedper-state", method="fedper", fedspc=True,
+                   **{"client-state-dir": str(state)})
+    path = run_dir / "config.json"
+    record = json.loads(path.read_text())
+    assert record["run-config"]["client-state-dir"] == "../states"  # no path of this machine
+    assert (state / "fedper-state").is_dir() and not (run_dir / "client-state").exists()
+    model = load_client_model(run_dir, 1)
+    assert correct_of(model, run_dir, 1) == recorded_correct(run_dir, 1)
+    record["run-config"]["client-state-dir"] = str(state)  # as config.json recorded it before
+    path.write_text(json.dumps(record))
+    assert same_state(load_client_model(run_dir, 1),
+                      {key: value.numpy() for key, value in model.state_dict().items()})
+
+
 def test_a_pending_state_the_server_aggregated_is_used(fedper, tmp_path):
     run_dir = copy_run(fedper, tmp_path)
     folder = run_dir / SIMULATION_FOLDER

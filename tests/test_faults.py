@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,12 +26,22 @@ from fedspc_app import client_app, server_app
 from fedspc_app.client_app import check_node_config
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.errors import ConfigError
-from fedspc_app.core.files import folder_lock
+from fedspc_app.core.files import atomic_open, folder_lock
 from fedspc_app.core.protocol import ARRAYS, GLOBAL_REFERENCE, METRICS
 from fedspc_app.core.records import from_record
 from fedspc_app.runs import provenance
-from fedspc_app.runs.checkpoint import CHECKPOINT_JSON
-from fedspc_app.runs.pause import PAUSE_REQUEST, request_pause
+from fedspc_app.runs.checkpoint import (
+    CHECKPOINT_JSON,
+    COMPLETE,
+    Checkpoint,
+    RoundRecords,
+    fingerprint,
+    read_checkpoint,
+    remove_checkpoint,
+    resume_point,
+    write_checkpoint,
+)
+from fedspc_app.runs.pause import PAUSE_REQUEST, RunPaused, request_pause
 from fedspc_app.runs.results import RunRecorder
 
 K = 3
@@ -317,7 +328,8 @@ def strings(tree) -> list[str]:
 
 def test_config_json_holds_no_path_of_this_machine_and_the_run_still_resumes(tmp):
     # Absolute paths, as the launcher hands them to the ServerApp (digits ignores data-dir).
-    paths = {"checkpoint": True, "num_rounds": 2, "data_dir": str(tmp / "data")}
+    paths = {"checkpoint": True, "num_rounds": 2, "data_dir": str(tmp / "data"),
+             "client_state_dir": str(tmp / "state")}
 
     def crashing(*args):
         grid = Crashing(*args)
@@ -333,6 +345,7 @@ def test_config_json_holds_no_path_of_this_machine_and_the_run_still_resumes(tmp
         written = json.loads((tmp / "run" / "config.json").read_text())
         assert written["run-config"]["output-dir"] == ".."  # the run folder's parent
         assert written["run-config"]["data-dir"] == ""  # the reader's own data folder
+        assert written["run-config"]["client-state-dir"] == "../state"  # the run folder's
         assert written["run-config"]["run-name"] == "run"
         assert [text for text in strings(written) if str(tmp) in text] == []
         assert written["resumed-after-round"] == (1 if resumed else 0)
@@ -455,6 +468,23 @@ def test_a_pause_that_cannot_or_need_not_stop_the_run_is_dropped(tmp, overrides,
     assert not (tmp / "run" / PAUSE_REQUEST).exists()
 
 
+def test_a_pause_asked_while_the_run_starts_up_stops_it_after_round_1(tmp, monkeypatch):
+    real = server_app.provenance
+
+    def asked_meanwhile(*args):
+        # The run holds its folder's lock and prepares (provenance, the clients'
+        # warm-up): `experiments pause` accepts a request now.
+        request_pause(tmp / "run")
+        time.sleep(0.05)
+        return real(*args)
+
+    monkeypatch.setattr(server_app, "provenance", asked_meanwhile)
+    _, rounds, error = run(tmp, checkpoint=True, num_rounds=2)
+    assert error is None and [r["round"] for r in rounds] == [1]
+    assert summary_of(tmp)["paused-after-round"] == 1
+    assert not (tmp / "run" / PAUSE_REQUEST).exists()
+
+
 def test_a_run_is_never_restarted_over_without_overwrite(tmp):
     crashing = Crashing(client_app.app, K, {})
 
@@ -504,6 +534,30 @@ def test_a_finished_run_that_kept_its_client_state_extends_as_if_never_stopped(t
     # This time keep-client-state was not asked: u_k goes, and so does the option.
     assert_only_final_personal(tmp / "b" / "run" / "client-state")
     assert summary_of(tmp / "b")["can-extend"] is False
+
+
+def test_an_extension_stopped_before_its_first_new_round_leaves_the_run_finishable(tmp):
+    _, expected, _ = run(tmp, checkpoint=True, keep_client_state=True, num_rounds=2)
+
+    def crashing(*args):  # killed at once: no new round recorded, no summary written
+        grid = Crashing(*args)
+        grid.crash_at = 0
+        return grid
+
+    with pytest.raises(Crash):
+        run(tmp, grid_type=crashing, checkpoint=True, keep_client_state=True, resume=True,
+            num_rounds=3)
+    assert not (tmp / "run" / "summary.json").exists()
+    # Back at its old length, the run is finished again from its checkpoint.
+    grid, rounds, error = run(tmp, checkpoint=True, keep_client_state=True, resume=True,
+                              num_rounds=2)
+    assert error is None and grid.sent == []
+    assert accuracies(rounds) == accuracies(expected)
+    assert summary_of(tmp)["complete"] and summary_of(tmp)["rounds"] == 2
+    assert summary_of(tmp)["can-extend"] is True
+    _, _, error = run(tmp, checkpoint=True, keep_client_state=True, resume=True,
+                      num_rounds=2)
+    assert error is not None and "already at round 2 of num-rounds = 2" in error
 
 
 def test_a_finished_run_without_its_client_state_is_not_extended(tmp):
@@ -703,3 +757,125 @@ def test_a_finite_blow_up_fails_its_rounds_and_stops_the_run(tmp):
         for key, value in broadcast(grid, server_round).items():
             np.testing.assert_array_equal(value, first[key])
     assert all_finite(first)
+
+
+# ------------------------------------------------------------- checkpoint files
+def state_after(server_round: int, value: float) -> Checkpoint:
+    """A checkpoint whose shared block and u_bar hold ``value``."""
+    return Checkpoint(server_round, COMPLETE, {"w": np.full(2, value)},
+                      {"u": np.full(2, value)}, {})
+
+
+def test_an_arrays_file_a_killed_write_left_is_never_taken_for_a_later_round(tmp):
+    config = parse_run_config({**BASE, "checkpoint": True, "resume": True,
+                               "output-dir": str(tmp), "run-name": "run", "num-rounds": 10})
+    identity = fingerprint(config, K)
+    write_checkpoint(config.run_dir, state_after(3, 3.0), identity, new_arrays=True)
+    # Round 4's first attempt wrote its arrays and was killed before checkpoint.json.
+    with atomic_open(config.run_dir / "checkpoint-r00004.npz") as handle:
+        np.savez(handle, **{"shared/w": np.full(2, 4.0), "reference/u": np.full(2, 4.0)})
+    assert resume_point(config, identity).round == 3
+    # The retried round 4 fails: its record keeps round 3's shared block and u_bar.
+    write_checkpoint(config.run_dir, state_after(4, 3.0), identity, new_arrays=False)
+    saved = read_checkpoint(config.run_dir, identity)
+    assert saved.round == 4 and saved.shared["w"].tolist() == [3.0, 3.0]
+    assert np.asarray(saved.global_reference["u"]).tolist() == [3.0, 3.0]
+    # Killed in round 1's first write: no checkpoint.json, and the arrays go too.
+    remove_checkpoint(config.run_dir)
+    with atomic_open(config.run_dir / "checkpoint-r00001.npz") as handle:
+        np.savez(handle, **{"shared/w": np.full(2, 1.0)})
+    assert resume_point(config, identity) is None
+    assert not list(config.run_dir.glob("checkpoint*"))
+
+
+def test_what_a_killed_checkpoint_write_left_is_removed(tmp):
+    leftovers = (".checkpoint-r00001.npz.4fypfipp.tmp", f".{CHECKPOINT_JSON}.x7k2q9ab.tmp")
+    for name in leftovers:
+        (tmp / name).write_bytes(b"half a file")
+    write_checkpoint(tmp, state_after(2, 2.0), {}, new_arrays=True)
+    assert sorted(p.name for p in tmp.iterdir()) == ["checkpoint-r00002.npz", CHECKPOINT_JSON]
+    for name in leftovers:
+        (tmp / name).write_bytes(b"half a file")
+    remove_checkpoint(tmp)
+    assert list(tmp.iterdir()) == []
+
+
+@pytest.mark.parametrize("change", [{"node-wait": 600.0}, {"round-timeout": 600.0},
+                                    {"max-failed-rounds": 5}, {"min-train-replies": 0.8}])
+@pytest.mark.parametrize("recorded", [False, True])
+def test_the_failure_policy_may_change_when_a_run_resumes(tmp, change, recorded):
+    keys = {**BASE, "checkpoint": True, "output-dir": str(tmp), "run-name": "run"}
+    first = parse_run_config(keys)
+    identity = fingerprint(first, K)
+    if recorded:  # a checkpoint written while node-wait was part of the settings
+        identity["node-wait"] = first.node_wait
+    write_checkpoint(first.run_dir, state_after(2, 2.0), identity, new_arrays=True)
+    again = parse_run_config({**keys, "resume": True, **change})
+    assert read_checkpoint(again.run_dir, fingerprint(again, K)).round == 2
+
+
+class NoState:
+    """A strategy's checkpointed parts, empty."""
+
+    def state_arrays(self):
+        return {}
+
+    def optimizer_arrays(self):
+        return {}
+
+    def state_dict(self):
+        return {}
+
+
+def test_a_run_the_privacy_budget_ends_early_is_not_paused_after_its_last_round(tmp):
+    config = parse_run_config({**BASE, "checkpoint": True, "output-dir": str(tmp),
+                               "run-name": "run", "num-rounds": 10})
+    recorder = RunRecorder(config, echo=lambda _: None)
+    recorder.start()
+    recorder.num_rounds = 3  # as dp-target-epsilon allowing 3 of the 10 rounds sets it
+    records = RoundRecords(config, NoState(), recorder, {}, None, since=0.0)
+    request_pause(recorder.run_dir)  # asked during round 2
+    with pytest.raises(RunPaused):
+        records.on_round_end(2, None, None, None)
+    request_pause(recorder.run_dir)  # asked during the last round: nothing to pause
+    records.on_round_end(3, None, None, None)
+
+
+def without_run(folder: Path) -> None:
+    payload = json.loads((folder / CHECKPOINT_JSON).read_text())
+    del payload["run"]
+    (folder / CHECKPOINT_JSON).write_text(json.dumps(payload))
+
+
+def truncated_arrays(folder: Path) -> None:
+    arrays = folder / "checkpoint-r00002.npz"
+    arrays.write_bytes(arrays.read_bytes()[:100])
+
+
+@pytest.mark.parametrize("damage,message", [
+    (without_run, "no 'run'"),
+    (truncated_arrays, "not a zip file"),
+    (lambda folder: (folder / CHECKPOINT_JSON).write_text("null"), "not a JSON object"),
+    (lambda folder: (folder / CHECKPOINT_JSON).write_text("[1, 2]"), "not a JSON object"),
+    (lambda folder: (folder / CHECKPOINT_JSON).write_text('{"format": 1, "run": 3, '
+                                                          '"strategy": {}}'), "JSON objects"),
+])
+def test_a_damaged_checkpoint_is_one_config_error_naming_it(tmp, damage, message):
+    write_checkpoint(tmp, state_after(2, 2.0), {}, new_arrays=True)
+    damage(tmp)
+    with pytest.raises(ConfigError, match=f"cannot resume from .*{CHECKPOINT_JSON}: .*{message}"):
+        read_checkpoint(tmp, {})
+
+
+def test_the_folder_named_explicitly_resumes_the_run_its_default_name_started(tmp):
+    keys = {**BASE, "checkpoint": True, "output-dir": str(tmp)}
+    first = parse_run_config(keys)  # the default run name
+    write_checkpoint(first.run_dir, state_after(2, 2.0), fingerprint(first, K),
+                     new_arrays=True)
+    again = parse_run_config({**keys, "resume": True, "run-name": first.resolved_run_name})
+    assert again.run_dir == first.run_dir
+    assert read_checkpoint(again.run_dir, fingerprint(again, K)).round == 2
+    # A checkpoint written while run-name was part of the settings resumes too.
+    write_checkpoint(first.run_dir, state_after(2, 2.0),
+                     {**fingerprint(first, K), "run-name": ""}, new_arrays=True)
+    assert read_checkpoint(again.run_dir, fingerprint(again, K)).round == 2

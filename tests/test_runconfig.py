@@ -52,6 +52,21 @@ def test_a_missing_or_malformed_preset_is_one_config_error(tmp_path):
         load_overrides(broken)
 
 
+@pytest.mark.parametrize("line,key", [
+    ("stop-by = 2026-12-05T18:30:00+01:00", "stop-by"),  # a TOML date-time, unquoted
+    ('shared-keys = ["features.0", "features.3"]', "shared-keys"),
+    ("x-note = {a = 1}", "x-note"),
+])
+def test_a_preset_value_flower_cannot_carry_is_one_config_error(tmp_path, line, key):
+    preset = tmp_path / "preset.toml"
+    preset.write_text(f"num-rounds = 2\n{line}\n")
+    with pytest.raises(ConfigError, match=f"preset.toml: '{key}' must be a TOML number, "
+                                          "true/false or a quoted string"):
+        load_overrides(preset)
+    preset.write_text('stop-by = "2026-12-05T18:30:00+01:00"\nrun-name = 7\n')
+    assert load_overrides(preset) == {"stop-by": "2026-12-05T18:30:00+01:00", "run-name": 7}
+
+
 @pytest.mark.parametrize("clients,cpus,gpus,problem", [
     (0, 1.0, 0.0, "clients must be >= 1"),
     (10, 0.0, 0.0, "client-cpus must be > 0"),

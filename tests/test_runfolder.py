@@ -82,7 +82,31 @@ def test_resume_and_overwrite_keep_the_named_folder(tmp_path, key):
     for keys in ({}, {"run-name": "mine"}):
         chosen = config(tmp_path, **keys, **{key: True})
         finished(chosen.run_dir)
+        (chosen.run_dir / "checkpoint.json").write_text(json.dumps({"round": 3}))
         assert claim_run_folder(chosen) == (chosen, None)
+
+
+def test_resuming_recorded_rounds_without_a_checkpoint_is_refused_and_keeps_them(tmp_path):
+    # A run with checkpoint = false (or whose checkpoint was removed): resume = true
+    # would start it over from round 1, replacing its metrics and summary.
+    for keys in ({}, {"run-name": "mine"}):
+        chosen = config(tmp_path, **keys, resume=True)
+        finished(chosen.run_dir, rounds=50)
+        (chosen.run_dir / "metrics.json").write_text(json.dumps({"rounds": [{"round": 1}]}))
+        before = {p.name: p.read_bytes() for p in chosen.run_dir.iterdir()}
+        with pytest.raises(ConfigError) as error:
+            claim_run_folder(chosen)
+        message = str(error.value)
+        assert str(chosen.run_dir) in message and "finished run of 50 rounds" in message
+        assert "no checkpoint" in message and "overwrite = true" in message
+        assert {p.name: p.read_bytes() for p in chosen.run_dir.iterdir()} == before
+    # Nothing recorded yet (a run stopped before its first round): it starts over.
+    started = config(tmp_path, **{"run-name": "started"}, resume=True)
+    started.run_dir.mkdir()
+    (started.run_dir / "config.json").write_text("{}")
+    assert claim_run_folder(started) == (started, None)
+    fresh = config(tmp_path, **{"run-name": "fresh"}, resume=True)
+    assert claim_run_folder(fresh) == (fresh, None)
 
 
 def test_resume_and_overwrite_together_are_an_error(tmp_path):

@@ -3,6 +3,7 @@ hygiene, the environment of launched processes, error reports."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.util
 import json
@@ -255,6 +256,19 @@ def test_local_superlink_stops_everything_it_started(tmp_path, standin):
     assert all(_gone(pid) for pid in pids)
 
 
+def test_local_superlink_is_seen_up_with_a_proxy_in_the_environment(tmp_path, standin,
+                                                                    monkeypatch):
+    # A proxy cannot reach this machine's loopback: the health check goes direct.
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    link = LocalSuperLink(tmp_path / "home", startup_timeout=10).start()
+    pids = _pids(link.log_file)
+    link.stop()
+    assert all(_gone(pid) for pid in pids)
+
+
 # --- the environment of launched processes ---------------------------------------------
 
 BIN = str(Path(sys.executable).parent)
@@ -361,6 +375,14 @@ def test_a_run_that_paused_on_request_is_reported_as_paused(tmp_path, monkeypatc
     assert "paused after round 2 of 5; the same command with --resume continues it" in (
         capsys.readouterr().err)
 
+    def raise_stopped_by(*_args, **_kwargs):  # its stop-by has come: say to change it
+        raise RunPaused(2, 5, "r", "stop-by 2026-12-05T17:30:00+00:00")
+
+    monkeypatch.setattr(cli, "run_simulation", raise_stopped_by)
+    assert cli.simulate_once(run_config, args) == cli.PAUSED
+    assert ("(stop-by 2026-12-05T17:30:00+00:00); the same command with --resume and a "
+            "later stop-by (or none) continues it") in capsys.readouterr().err
+
 
 def test_flwr_run_timeout_kills_everything_it_started(tmp_path, standin):
     log = tmp_path / "run.log"
@@ -430,6 +452,9 @@ BAD_TOML = "num-rounds = [\n"
     (["--set", "num-rounds"], "space-separated key=value pairs"),
     (["--set", "methd='fedrep'"], "unknown run-config key 'methd' (did you mean: method?)"),
     (["--set", "num-rounds=0"], "num-rounds"),
+    (["--set", "output-dir='~nosuchuser-fedspc/results'"],
+     "run-config 'output-dir' = '~nosuchuser-fedspc/results': cannot expand '~'"),
+    (["--set", "data-dir='~nosuchuser-fedspc'"], "run-config 'data-dir'"),
     (["--clients", "0"], "clients must be >= 1, got 0"),
     (["--client-cpus", "0"], "client-cpus must be > 0, got 0"),
     (["--client-cpus", "nan"], "client-cpus must be > 0, got nan"),
@@ -489,6 +514,17 @@ def test_worker_overhead_times_the_same_client_in_plain_processes(capsys, monkey
     assert line.startswith("process ") and "images/s per worker" in line
     assert "first calls" in line and line.count(",") >= 1  # one first call per worker
     assert script.summary([[(9.0, 100), (2.0, 100)], [(8.0, 50), (1.0, 50)]]) == (1.5, 50.0)
+
+
+def test_set_given_twice_applies_both_the_later_winning():
+    parser = argparse.ArgumentParser()
+    cli.add_run_config_arguments(parser)
+    cli.add_resource_arguments(parser)
+    args = parser.parse_args(["--set", "num-rounds=3 output-dir='out'", "--set",
+                              "fedspc=true num-rounds=4"])
+    assert cli.simulation_overrides(args) == {"num-rounds": 4, "output-dir": "out",
+                                              "fedspc": True}
+    assert parser.parse_args([]).set == ""
 
 
 def test_simulate_reports_a_failed_launch_with_exit_code_1(standin, monkeypatch, capsys):

@@ -87,6 +87,26 @@ def test_a_clock_time_is_the_next_one_on_this_machine(monkeypatch):
         time.tzset()
 
 
+@pytest.mark.parametrize("now,text,expected", [
+    # Saturday 20:00 CET; the next 18:30 is Sunday's, in summer time (CEST, UTC+2)
+    (datetime(2026, 3, 28, 19, 0, tzinfo=UTC), "18:30", "2026-03-29T16:30:00+00:00"),
+    # Saturday 20:00 CEST; the next 18:30 is Sunday's, in winter time (CET, UTC+1)
+    (datetime(2026, 10, 24, 18, 0, tzinfo=UTC), "18:30", "2026-10-25T17:30:00+00:00"),
+    # Sunday 01:00 CET, before the change at 02:00: today's 12:00 is in summer time
+    (datetime(2026, 3, 29, 0, 0, tzinfo=UTC), "12:00", "2026-03-29T10:00:00+00:00"),
+])
+def test_a_clock_time_across_a_daylight_saving_change_is_that_days_local_time(
+        monkeypatch, now, text, expected):
+    import time
+    monkeypatch.setenv("TZ", "Europe/Berlin")
+    time.tzset()
+    try:
+        assert resolve_stop_by(text, now) == expected
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
 @pytest.mark.parametrize("text,message", [
     ("soon", "is none of"), ("25:00", "no such clock time"), ("", "is none of"),
     ("2026-12-05T10:00Z", "has already passed"),
@@ -109,12 +129,16 @@ def accuracies(rounds):
     return [(r["round"], r["accuracy"], r["client-accuracy"]) for r in rounds]
 
 
-def test_a_run_past_its_stop_by_pauses_after_one_round_and_resumes_as_if_never_stopped(tmp_path):
+def test_a_run_past_its_stop_by_pauses_after_one_round_and_resumes_as_if_never_stopped(
+        tmp_path, caplog):
     expected, _, _ = run(tmp_path / "alone")
-    rounds, summary, error = run(tmp_path / "b", stop_by=PASSED)
+    with caplog.at_level("INFO", logger="flwr"):
+        rounds, summary, error = run(tmp_path / "b", stop_by=PASSED)
     assert error is None and [r["round"] for r in rounds] == [1]
     assert summary["complete"] is False and summary["paused-after-round"] == 1
     assert summary["paused-by"] == f"stop-by {PASSED}"
+    # The same stop-by would pause it again after each round: the log says so.
+    assert "resume = true with a later stop-by (or none) continues it" in caplog.text
     # stop-by may change when a run resumes, like its other working limits
     rounds, summary, error = run(tmp_path / "b", stop_by=FAR, resume=True)
     assert error is None and summary["complete"] is True and "paused-by" not in summary

@@ -366,18 +366,16 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
         try:
             return int(value)
         except (TypeError, ValueError):
-            raise ConfigError(
-                f"run-config '{key}' must be an integer, got {value!r}"
-            ) from None
+            raise ConfigError(f"run-config '{key}' must be an integer, got {value!r}") from None
     if kind == "float":
         if isinstance(value, bool):
             raise ConfigError(f"run-config '{key}' must be a number, got {value!r}")
         try:
             return float(value)
         except (TypeError, ValueError):
-            raise ConfigError(
-                f"run-config '{key}' must be a number, got {value!r}"
-            ) from None
+            raise ConfigError(f"run-config '{key}' must be a number, got {value!r}") from None
+    if not isinstance(value, (str, int, float)):  # a list, table or date of TOML or YAML
+        raise ConfigError(f"run-config '{key}' must be a quoted string, got {value!r}")
     return str(value)
 
 

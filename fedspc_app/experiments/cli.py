@@ -37,7 +37,7 @@ from fedspc_app.experiments.plots import plot_partition, plot_partitions
 from fedspc_app.experiments.records import load_records
 from fedspc_app.experiments.reports import write_report
 from fedspc_app.experiments.runner import CellRunner, print_plan, run_grid
-from fedspc_app.launch.cli import BAD_INPUT, FAILED, PAUSED, fail
+from fedspc_app.launch.cli import BAD_INPUT, FAILED, PAUSED, JoinedAssignments, fail
 from fedspc_app.launch.processes import exit_on_termination
 from fedspc_app.launch.runconfig import load_overrides, parse_assignments
 
@@ -201,8 +201,9 @@ def _add_grid_commands(commands: argparse._SubParsersAction) -> None:
                          help="keep cells with these axis values (repeatable; "
                               "'mode=centralized' selects the centralized references)")
         sub.add_argument("--output-dir", help="parent of the grid's folder")
-        sub.add_argument("--set", default="", help='run-config overrides for every cell, '
-                                                   'e.g. "data-dir=\'/data\'"')
+        sub.add_argument("--set", default="", action=JoinedAssignments,
+                         help='run-config overrides for every cell, e.g. '
+                              '"data-dir=\'/data\'" (repeatable)')
         sub.add_argument("--clients", type=int)
         sub.add_argument("--client-cpus", type=float)
         sub.add_argument("--client-gpus", type=float)
@@ -255,7 +256,8 @@ def _add_other_commands(commands: argparse._SubParsersAction) -> None:
     sub = commands.add_parser("centralized", help="train the pooled-data reference",
                               description=(centralized.__doc__ or "").split("\n\n")[0])
     sub.add_argument("--run-config", help="TOML run-config (e.g. conf/*.toml)")
-    sub.add_argument("--set", default="", help='overrides, e.g. "data-dir=\'/data\'"')
+    sub.add_argument("--set", default="", action=JoinedAssignments,
+                     help='overrides, e.g. "data-dir=\'/data\'" (repeatable)')
     sub.add_argument("--epochs", type=int, default=200, help="default: 200 (paper)")
     sub.add_argument("--learning-rate", type=float, default=0.1, help="default: 0.1 (paper)")
     sub.add_argument("--eval-every", type=int, default=1,

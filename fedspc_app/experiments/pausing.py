@@ -40,10 +40,13 @@ def resolve_stop_by(text: str, now: datetime) -> str:
         hour, minute, second = (int(g or 0) for g in clock.groups())
         if hour > 23 or minute > 59 or second > 59:
             raise ConfigError(f"--stop-by {text!r}: no such clock time")
-        local = now.astimezone()
-        when = local.replace(hour=hour, minute=minute, second=second, microsecond=0)
-        if when <= local:
-            when += timedelta(days=1)
+        day = now.astimezone().date()
+        # A naive local time made aware by astimezone() takes the offset of its own date,
+        # which a change to or from daylight saving time tonight makes another than now's.
+        when = datetime(day.year, day.month, day.day, hour, minute, second).astimezone()
+        if when <= now:
+            day += timedelta(days=1)
+            when = datetime(day.year, day.month, day.day, hour, minute, second).astimezone()
     else:
         try:
             when = datetime.fromisoformat(text)

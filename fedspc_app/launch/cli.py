@@ -16,7 +16,7 @@ from fedspc_app.launch.runconfig import (
     resolve_run_config,
 )
 from fedspc_app.launch.superlink import SimulationFailed, run_simulation, simulation
-from fedspc_app.runs.pause import RunPaused
+from fedspc_app.runs.pause import STOP_BY, RunPaused
 
 BAD_INPUT = 2  # as argparse exits on a bad argument
 FAILED = 1
@@ -25,10 +25,20 @@ RUN_ERRORS = (FedSPCError, SimulationFailed, LaunchFailed, TimeoutError, OSError
 """What a started run can fail with, short of a bug."""
 
 
+class JoinedAssignments(argparse.Action):
+    """``--set``: repeatable, its values joined with spaces in the order given (a key
+    set twice takes the later value)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        earlier = getattr(namespace, self.dest, None) or ""
+        setattr(namespace, self.dest, f"{earlier} {values}".strip())
+
+
 def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-config", help="TOML preset of run-config overrides (conf/*.toml)")
-    parser.add_argument("--set", default="", help='overrides applied after the preset, e.g. '
-                        '"num-rounds=3 fedspc=true"')
+    parser.add_argument("--set", default="", action=JoinedAssignments,
+                        help='overrides applied after the preset, e.g. "num-rounds=3 '
+                             'fedspc=true" (repeatable)')
 
 
 def add_resource_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +75,8 @@ def simulate_once(run_config: dict[str, Any], args: argparse.Namespace, *,
         again = "the same command with --resume"
         if paused.run_name != resolve_run_config(run_config)[1].resolved_run_name:
             again += f" and run-name='{paused.run_name}' (the folder it went to)"
+        if paused.reason.startswith(STOP_BY):  # that time has come: each start would pause
+            again += " and a later stop-by (or none)"
         print(f"fedspc: {paused}; {again} continues it", file=sys.stderr)
         return PAUSED
     except RUN_ERRORS as error:

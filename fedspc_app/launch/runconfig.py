@@ -43,11 +43,17 @@ def app_defaults(app_dir: Path = APP_DIR) -> dict[str, Any]:
 
 def absolute_paths(run_config: Mapping[str, Any]) -> dict[str, Any]:
     """``output-dir`` and ``data-dir`` made absolute against this process's cwd (the
-    ServerApp and ClientApps would resolve them against the SuperLink's)."""
+    ServerApp and ClientApps would resolve them against the SuperLink's); a ``~`` that
+    names no user's home is a ConfigError."""
     out = dict(run_config)
     for key in ("output-dir", "data-dir"):
         if out.get(key):
-            out[key] = str(Path(str(out[key])).expanduser().resolve())
+            try:
+                path = Path(str(out[key])).expanduser()
+            except RuntimeError:  # ~name of no user, or no home folder at all
+                raise ConfigError(f"run-config '{key}' = {out[key]!r}: cannot expand '~' "
+                                  "(no such user's home folder)") from None
+            out[key] = str(path.resolve())
     return out
 
 
@@ -107,8 +113,16 @@ def parse_assignments(text: str) -> dict[str, Any]:
 
 
 def load_overrides(preset: str | Path | None = None, assignments: str = "") -> dict[str, Any]:
-    """What a user asks for on a command line: the TOML ``preset``, then ``assignments``."""
+    """What a user asks for on a command line: the TOML ``preset``, then ``assignments``.
+    A preset's values are scalars, as Flower's run-config carries them: a TOML array,
+    table or date-time is a ConfigError naming the key."""
     overrides = read_toml(preset) if preset else {}
+    for key, value in overrides.items():
+        if not isinstance(value, (bool, int, float, str)):
+            raise ConfigError(
+                f"run-config file {preset}: '{key}' must be a TOML number, true/false or a "
+                f"quoted string, got {value!r} (quote it: a time as stop-by = "
+                '"2026-12-05T18:30:00+01:00", keys as shared-keys = "features.0,features.3")')
     overrides.update(parse_assignments(assignments))
     return overrides
 

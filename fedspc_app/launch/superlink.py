@@ -39,6 +39,11 @@ from fedspc_app.runs.runfolder import claim_run_folder
 CONNECTION = "fedspc-sim"
 
 
+# The SuperLink's /health is on this machine's loopback, which a proxy of the
+# environment ($http_proxy, without no_proxy) cannot reach: ask it directly.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def flower_env(flwr_home: str | os.PathLike[str]) -> dict[str, str]:
     """Environment for Flower's processes and ``flwr``: a private home, no runtime
     installs, this interpreter's console scripts first on PATH, and the checkout's
@@ -101,7 +106,7 @@ class LocalSuperLink:
                 self.stop()
                 raise error
             with contextlib.suppress(OSError), \
-                    urllib.request.urlopen(f"http://{self.address}/health", timeout=1):
+                    _DIRECT.open(f"http://{self.address}/health", timeout=1):
                 return self
             time.sleep(0.3)
         error = launch_failed(

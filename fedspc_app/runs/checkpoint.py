@@ -6,7 +6,9 @@ clients may commit the state they staged) and after evaluation (phase
 ``complete``: the round's metrics). Two files: ``checkpoint-r<round>.npz`` holds
 the arrays, ``checkpoint.json`` the rest and the name of the arrays file. Both are
 written atomically, the arrays first, so ``checkpoint.json`` always names a
-complete arrays file; older arrays files are removed after it is replaced.
+complete arrays file; older arrays files, and what an interrupted write left (an
+arrays file it does not name, a temporary file), are removed after it is replaced
+and when a run starts.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import zipfile
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from pathlib import Path
@@ -35,20 +38,22 @@ from fedspc_app.runs.pause import (
     next_round_ends_after,
     pause_requested,
 )
-from fedspc_app.runs.results import CHECKPOINT_SECONDS, RunRecorder
+from fedspc_app.runs.results import CHECKPOINT_SECONDS, RunRecorder, read_summary
 from fedspc_app.runs.runfolder import CHECKPOINT_JSON
 
 FORMAT_VERSION = 1
 TRAINED, COMPLETE = "trained", "complete"
 SHARED, REFERENCE, OPTIMIZER = "shared/", "reference/", "optimizer/"
 
-# Run-config keys a resumed run may change: where things live, how long it runs,
-# how patient it is. Any other difference means another experiment.
+# Run-config keys a resumed run may change: where things live (the run folder, not
+# the spelling of its name, is the run), how long it runs, how patient it is. Any
+# other difference means another experiment.
 MAY_CHANGE = frozenset({
-    "num-rounds", "resume", "checkpoint", "output-dir", "data-dir", "download", "device",
-    "round-timeout", "min-train-replies", "max-failed-rounds", "keep-client-state",
-    "client-state-dir", "overwrite", "tensorboard", "evaluate-server", "divergence-factor",
-    "wandb", "wandb-project", "wandb-entity", "wandb-mode", "stop-by", "dp-phase-seconds",
+    "num-rounds", "resume", "checkpoint", "output-dir", "run-name", "data-dir", "download",
+    "device", "round-timeout", "node-wait", "min-train-replies", "max-failed-rounds",
+    "keep-client-state", "client-state-dir", "overwrite", "tensorboard", "evaluate-server",
+    "divergence-factor", "wandb", "wandb-project", "wandb-entity", "wandb-mode", "stop-by",
+    "dp-phase-seconds",
 })
 
 # Run-config keys whose default changed, or that were added: what a checkpoint that
@@ -119,9 +124,7 @@ def write_checkpoint(run_dir: Path, checkpoint: Checkpoint, identity: dict[str, 
         "trained": checkpoint.trained,
     }
     atomic_write(run_dir / CHECKPOINT_JSON, json.dumps(payload, indent=1, default=_plain))
-    for old in run_dir.glob("checkpoint-r*.npz"):
-        if old.name != name:
-            old.unlink(missing_ok=True)
+    _remove_leftovers(run_dir, keep=name)
 
 
 def read_checkpoint(run_dir: Path, identity: dict[str, Any]) -> Checkpoint | None:
@@ -137,36 +140,46 @@ def read_checkpoint(run_dir: Path, identity: dict[str, Any]) -> Checkpoint | Non
         return None
     try:
         payload = json.loads(path.read_text())
+        if not isinstance(payload, dict):
+            raise TypeError(f"it holds {type(payload).__name__}, not a JSON object")
         if payload.get("format") != FORMAT_VERSION:
             raise ValueError(f"format {payload.get('format')!r}, expected {FORMAT_VERSION}")
+        run, strategy = payload["run"], payload["strategy"]
+        if not isinstance(run, dict) or not isinstance(strategy, dict):
+            raise TypeError("its 'run' and 'strategy' must be JSON objects")
+        if payload["phase"] not in (TRAINED, COMPLETE):
+            raise ValueError(f"phase {payload['phase']!r}")
         arrays = _read_arrays(Path(run_dir) / payload["arrays"])
-    except (OSError, ValueError, KeyError) as error:
-        raise ConfigError(f"cannot resume from {path}: {error}") from error
+        checkpoint = Checkpoint(
+            round=int(payload["round"]),
+            phase=payload["phase"],
+            shared={k[len(SHARED):]: v for k, v in arrays.items() if k.startswith(SHARED)},
+            global_reference={k[len(REFERENCE):]: v for k, v in arrays.items()
+                              if k.startswith(REFERENCE)},
+            optimizer={k[len(OPTIMIZER):]: v for k, v in arrays.items()
+                       if k.startswith(OPTIMIZER)},
+            strategy=strategy,
+            failed_streak=int(payload["failed-streak"]),
+            rounds=list(payload["rounds"]),
+            elapsed_seconds=float(payload["elapsed-seconds"]),
+            train_metrics=payload.get("train-metrics"),
+            trained=payload.get("trained"),
+        )
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as error:
+        what = f"no {error}" if isinstance(error, KeyError) else str(error)
+        raise ConfigError(f"cannot resume from {path}: {what}") from error
     # A key added to the run-config after the checkpoint was written had its default,
     # or the value that default had then (FORMER_DEFAULTS); "auto" is compared resolved.
-    saved = resolved_settings({**RunConfig().to_dict(), **FORMER_DEFAULTS, **payload["run"]})
-    differing = sorted(key for key in set(identity) | set(payload["run"])
+    # A key that may change is not compared, where an older checkpoint recorded it too.
+    saved = resolved_settings({**RunConfig().to_dict(), **FORMER_DEFAULTS, **run})
+    differing = sorted(key for key in (set(identity) | set(run)) - MAY_CHANGE
                        if saved.get(key) != identity.get(key))
     if differing:
         details = ", ".join(f"{key}: checkpoint {saved.get(key)!r}, "
                             f"run-config {identity.get(key)!r}" for key in differing[:6])
         raise ConfigError(f"the checkpoint in {run_dir} belongs to another run ({details}); "
                           "resume with the same settings, or pick another run-name")
-    return Checkpoint(
-        round=int(payload["round"]),
-        phase=payload["phase"],
-        shared={k[len(SHARED):]: v for k, v in arrays.items() if k.startswith(SHARED)},
-        global_reference={k[len(REFERENCE):]: v for k, v in arrays.items()
-                          if k.startswith(REFERENCE)},
-        optimizer={k[len(OPTIMIZER):]: v for k, v in arrays.items()
-                   if k.startswith(OPTIMIZER)},
-        strategy=payload["strategy"],
-        failed_streak=int(payload["failed-streak"]),
-        rounds=list(payload["rounds"]),
-        elapsed_seconds=float(payload["elapsed-seconds"]),
-        train_metrics=payload.get("train-metrics"),
-        trained=payload.get("trained"),
-    )
+    return checkpoint
 
 
 def _read_arrays(path: Path) -> dict[str, np.ndarray | Deferred]:
@@ -194,10 +207,20 @@ def saved_progress(run_dir: Path) -> tuple[int, float] | None:
 
 
 def remove_checkpoint(run_dir: Path) -> None:
+    """Remove the checkpoint in ``run_dir``, with what interrupted writes left of one."""
     run_dir = Path(run_dir)
     (run_dir / CHECKPOINT_JSON).unlink(missing_ok=True)
-    for old in run_dir.glob("checkpoint-r*.npz"):
-        old.unlink(missing_ok=True)
+    _remove_leftovers(run_dir, keep=None)
+
+
+def _remove_leftovers(run_dir: Path, keep: str | None) -> None:
+    """Remove the arrays files in ``run_dir`` but ``keep`` (the one ``checkpoint.json``
+    names), and the temporary files of writes a killed process left behind; only the
+    process that holds the run folder's lock calls this."""
+    for old in (*run_dir.glob("checkpoint-r*.npz"), *run_dir.glob(".checkpoint-r*.npz.*.tmp"),
+                *run_dir.glob(f".{CHECKPOINT_JSON}.*.tmp")):
+        if old.name != keep:
+            old.unlink(missing_ok=True)
 
 
 def _plain(value: Any) -> Any:
@@ -209,17 +232,20 @@ class RoundRecords:
     after its evaluation the progress line, the results files and the checkpoint,
     then the pause request (:mod:`fedspc_app.runs.pause`): one present ends the run
     there by raising :class:`RunPaused`. ``strategy`` answers ``state_dict()`` and
-    ``state_arrays()`` (strategies/)."""
+    ``state_arrays()`` (strategies/). ``since``: when the run took its folder's lock (a
+    ``time.time()``, default now); a pause request from before it is stale."""
 
     def __init__(self, config: RunConfig, strategy: Any, recorder: RunRecorder,
-                 identity: dict, resumed: Checkpoint | None) -> None:
+                 identity: dict, resumed: Checkpoint | None, *,
+                 since: float | None = None) -> None:
         self.config = config
         self.strategy = strategy
         self.recorder = recorder
         self.identity = identity
         self.failed_streak = resumed.failed_streak if resumed else 0
         self.shared = resumed.shared if resumed else {}
-        self.started = time.time()  # pause requests from before this are stale
+        self.started = time.time()
+        self.since = self.started if since is None else since
         self.round_ends = [self.started]  # for stop-by: this segment's round times
         self.warned_stop_by = False
 
@@ -262,10 +288,10 @@ class RoundRecords:
         self.recorder.on_round_end(server_round, train_metrics, evaluate_metrics, report)
         self.checkpoint(server_round, COMPLETE, new_arrays=False)
         self.round_ends.append(time.time())
-        if server_round >= self.config.num_rounds:
+        if server_round >= self.recorder.num_rounds:  # fewer under dp-target-epsilon
             return
         reason = None
-        if pause_requested(self.recorder.run_dir, self.started):
+        if pause_requested(self.recorder.run_dir, self.since):
             reason = ""
         deadline = self.config.stop_by_time
         if (reason is None and deadline is not None
@@ -293,7 +319,10 @@ def resume_point(config: RunConfig, identity: dict) -> Checkpoint | None:
 
     A run that does not resume starts in a folder that holds no run, or replaces one
     on ``overwrite = true``: :func:`fedspc_app.runs.runfolder.claim_run_folder` has
-    settled which before anything is written.
+    settled which before anything is written. A checkpoint after the last round of a
+    run whose summary was not written (stopped after that round, or in an extension
+    before its first new round) is returned too: the run then trains no round and
+    writes its results.
     """
     if not config.resume:
         if not config.overwrite and (config.run_dir / CHECKPOINT_JSON).is_file():
@@ -301,10 +330,17 @@ def resume_point(config: RunConfig, identity: dict) -> Checkpoint | None:
         remove_checkpoint(config.run_dir)
         return None
     resumed = read_checkpoint(config.run_dir, identity)
+    # An arrays file checkpoint.json does not name is what a killed write left: never
+    # the state of a round this run records.
+    _remove_leftovers(config.run_dir, keep=_arrays_name(resumed.round) if resumed else None)
     if resumed is None:
         log(INFO, "resume = true but %s holds no checkpoint: starting at round 1",
             config.run_dir)
     elif resumed.round >= config.num_rounds and resumed.phase == COMPLETE:
-        raise ConfigError(f"the checkpoint in {config.run_dir} is already at round "
-                          f"{resumed.round} of num-rounds = {config.num_rounds}")
+        summary = read_summary(config.run_dir) or {}
+        if resumed.round > config.num_rounds or summary.get("complete"):
+            raise ConfigError(f"the checkpoint in {config.run_dir} is already at round "
+                              f"{resumed.round} of num-rounds = {config.num_rounds}")
+        log(INFO, "%s has done all %d rounds but has no summary: writing its results",
+            config.run_dir, resumed.round)
     return resumed

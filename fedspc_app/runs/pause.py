@@ -7,8 +7,9 @@ run continues from that checkpoint when started again with ``resume = true``. A
 grid's runner looks for its own request between cells. Requests are written by
 ``python -m fedspc_app.experiments pause`` and removed by whoever honours them.
 
-A request older than the process that reads it (left by a run that was killed
-before it saw it) is stale: it is removed, not honoured.
+A request older than the run that reads it (made before the run took its folder's
+lock: left by a run that was killed before it saw it) is stale: it is removed, not
+honoured. One made while the run starts up stops it after its first round.
 
 A run can also pause by itself at a time given in advance (run-config ``stop-by``, a
 machine's or a job's working time): after each round it pauses when the next round

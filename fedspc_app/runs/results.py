@@ -31,6 +31,7 @@ from flwr.serverapp import Grid
 
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.files import atomic_write
+from fedspc_app.runs.pause import STOP_BY
 from fedspc_app.runs.tensorboard import RoundScalars
 from fedspc_app.runs.wandb_log import WandbLog
 
@@ -127,10 +128,14 @@ def portable_run_config(run_config: Mapping[str, Any], folder: Path) -> dict[str
       absolute one becomes ``""``: the dataset is ``dataset``, and its files come from
       the default data folder of the machine that reads it, or any ``data-dir``
       given there.
+    * ``client-state-dir``, when set, is relative to ``folder`` as ``output-dir`` is
+      (``../state``; only its last component where the two share no folder below the
+      root): export looks for a simulation's client state there, against the run folder.
     """
     out = dict(run_config)
-    if out.get("output-dir"):
-        out["output-dir"] = relative_path(str(out["output-dir"]), folder)
+    for key in ("output-dir", "client-state-dir"):
+        if out.get(key):
+            out[key] = relative_path(str(out[key]), folder)
     if out.get("data-dir") and os.path.isabs(str(out["data-dir"])):
         out["data-dir"] = ""
     return out
@@ -489,7 +494,9 @@ class RunRecorder:
                 f"[{self.config.label}] paused after round {paused} of "
                 f"{self.config.num_rounds}{f' ({paused_by})' if paused_by else ''}"
                 + (f" ({took} run so far)" if took else "")
-                + f"; resume = true continues it; results in {self.run_dir}")
+                + "; resume = true" + (" with a later stop-by (or none)"
+                                       if paused_by.startswith(STOP_BY) else "")
+                + f" continues it; results in {self.run_dir}")
         elif evaluated:
             self.echo(
                 f"[{self.config.label}] done" + (f" in {took}" if took else "") + ": "

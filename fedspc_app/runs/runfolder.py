@@ -5,7 +5,8 @@ settings (the learning rate, the number of rounds, …), so two different runs c
 share it. Before anything is written, :func:`claim_run_folder` decides:
 
 * ``resume = true`` continues the run in the folder, ``overwrite = true`` replaces it:
-  the folder is the one named;
+  the folder is the one named (resuming a folder whose recorded rounds have no
+  checkpoint to continue from is an error: starting over would replace them);
 * a folder that holds no run (no config, metrics, summary or checkpoint) is used;
 * otherwise, with the default run name, the run goes to the first free versioned
   folder ``<name>-2``, ``<name>-3``, …;
@@ -69,10 +70,17 @@ def claim_run_folder(config: RunConfig, default_name: str | None = None
     ------
     ConfigError
         An explicit ``run-name`` whose folder holds an earlier run, without
-        ``resume`` or ``overwrite``.
+        ``resume`` or ``overwrite``; or ``resume`` where the folder holds recorded
+        rounds or a summary but no checkpoint to continue them from.
     """
     named = config.replace(run_name=default_name) if default_name and not config.run_name \
         else config
+    if config.resume and not (named.run_dir / CHECKPOINT_JSON).is_file() \
+            and any((named.run_dir / name).is_file() for name in (METRICS_JSON, SUMMARY_JSON)):
+        raise ConfigError(
+            f"{named.run_dir} holds {earlier_run(named.run_dir)} but no checkpoint to "
+            "continue from, and resume = true would start it over from round 1: "
+            "overwrite = true replaces it, another run-name keeps both")
     if config.resume or config.overwrite:
         return named, None
     held = earlier_run(named.run_dir)
