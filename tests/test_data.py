@@ -5,6 +5,7 @@ No test touches the network or the real datasets under /work/shared.
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import urllib.error
@@ -501,6 +502,19 @@ def test_tinyimagenet_cache_is_rebuilt_when_stale_or_corrupt(tmp_path: Path) -> 
     assert ds.num_train == 8
     with np.load(cache_file) as npz:
         assert npz["train_images"].shape == (8, 3, 64, 64)
+
+
+def test_tinyimagenet_cache_is_rebuilt_when_an_image_is_replaced(tmp_path: Path) -> None:
+    # Same names and labels, other pixels: the cache is keyed by sizes and times too.
+    folder = _write_tiny(tmp_path)
+    assert load_dataset("tinyimagenet", tmp_path).train_images[0].double().mean() < 100
+    image = folder / "train" / "n0100" / "images" / "n0100_0.JPEG"
+    before = image.stat()
+    write_jpeg(_solid((250, 250, 250)), str(image), quality=50)
+    os.utime(image, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+    clear_cache()
+    red = load_dataset("tinyimagenet", tmp_path).train_images[0].double().mean()
+    assert float(red) == pytest.approx(250, abs=3)
 
 
 def test_tinyimagenet_corrupt_jpeg_names_file(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ _TINY_FOLDER = "tiny-imagenet-200"
 _TINY_URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
 _TINY_SIDE = 64
 _TINY_IMAGE_SUFFIXES = (".jpeg", ".jpg")
-_TINY_CACHE_VERSION = 1
+_TINY_CACHE_VERSION = 2
 # Published Tiny ImageNet train statistics (on [0, 1]).
 _TINY_MEAN = (0.4802, 0.4481, 0.3975)
 _TINY_STD = (0.2770, 0.2691, 0.2821)
@@ -177,14 +177,17 @@ def _tiny_fingerprint(
     test_files: Sequence[Path],
     test_labels: Sequence[int],
 ) -> str:
-    """Hash of the file listing, so a cache built from a different listing is not reused."""
+    """Hash of the file listing with each file's size and modification time, so a cache
+    built from a different listing, or from files since replaced, is not reused."""
     h = hashlib.sha256()
     h.update(f"v{_TINY_CACHE_VERSION}\n".encode())
     h.update("\n".join(wnids).encode())
     for files, labels in ((train_files, train_labels), (test_files, test_labels)):
         h.update(b"\0")
         for path, label in zip(files, labels):
-            h.update(f"{path.relative_to(root).as_posix()}\t{label}\n".encode())
+            stat = path.stat()
+            h.update(f"{path.relative_to(root).as_posix()}\t{label}\t{stat.st_size}\t"
+                     f"{stat.st_mtime_ns}\n".encode())
     return h.hexdigest()
 
 
