@@ -543,6 +543,25 @@ def test_tinyimagenet_bad_annotation(tmp_path: Path) -> None:
         load_dataset("tinyimagenet", tmp_path)
 
 
+@pytest.mark.parametrize(("lines", "message"), [
+    # Cut short: val_2 and val_3 are on disk but not annotated.
+    ("val_0.JPEG\tn0300\nval_1.JPEG\tn0100\n",
+     "does not annotate 2 of the images in .* \\(first: 'val_2.JPEG'\\)"),
+    # val_0 annotated twice, with two classes.
+    (("val_0.JPEG\tn0300\nval_1.JPEG\tn0100\nval_2.JPEG\tn0200\nval_3.JPEG\tn0100\n"
+     "val_0.JPEG\tn0100\n"),
+     ("line 5: image 'val_0.JPEG' is annotated again with another class, 'n0100' "
+     "\\(it was 'n0300'\\)")),
+])
+def test_tinyimagenet_val_annotations_must_label_each_image_once(
+    tmp_path: Path, lines: str, message: str
+) -> None:
+    folder = _write_tiny(tmp_path)
+    (folder / "val" / "val_annotations.txt").write_text(lines)
+    with pytest.raises(DataError, match=message):
+        load_dataset("tinyimagenet", tmp_path)
+
+
 def test_tinyimagenet_missing(tmp_path: Path) -> None:
     with pytest.raises(DataError) as info:
         load_dataset("tinyimagenet", tmp_path)

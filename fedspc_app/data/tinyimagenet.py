@@ -162,9 +162,20 @@ def _list_tiny_val(root: Path, wnids: Sequence[str]) -> tuple[list[Path], list[i
             raise DataError(
                 f"{str(ann_path)!r} line {lineno}: image {str(folder / fname)!r} is missing"
             )
+        if by_name.get(fname, index[wnid]) != index[wnid]:
+            raise DataError(
+                f"{str(ann_path)!r} line {lineno}: image {fname!r} is annotated again with "
+                f"another class, {wnid!r} (it was {wnids[by_name[fname]]!r})"
+            )
         by_name[fname] = index[wnid]
     if not by_name:
         raise DataError(f"{str(ann_path)!r} annotates no images")
+    unlisted = sorted(present - set(by_name))
+    if unlisted:
+        raise DataError(
+            f"{str(ann_path)!r} does not annotate {len(unlisted)} of the images in "
+            f"{str(folder)!r} (first: {unlisted[0]!r}); is it complete?"
+        )
     names = sorted(by_name)
     return [folder / n for n in names], [by_name[n] for n in names]
 
