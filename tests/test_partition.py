@@ -256,6 +256,18 @@ def test_unsatisfiable_alpha_is_data_error_after_max_tries() -> None:
     assert 0 <= smallest < 10
 
 
+def test_alpha_beyond_numpys_dirichlet_is_config_error() -> None:
+    # alpha * K overflows numpy's gamma sum: its proportions are rows of zeros (finite),
+    # which would give every class to nobody. 1e300 still draws (near-uniform shares).
+    train, test = _labels([50] * 10), _labels([10] * 10)
+    kwargs = dict(num_clients=10, seed=0, min_samples=1)
+    with pytest.raises(ConfigError, match=r"alpha=1e\+308 is too large .* over 10 clients"):
+        dirichlet_partition(train, test, alpha=1e308, **kwargs)
+    p = dirichlet_partition(train, test, alpha=1e300, **kwargs)
+    assert p.tries == 1 and p.train_counts().sum() == 500
+    assert np.allclose(p.proportions, 0.1)
+
+
 @pytest.mark.parametrize("alpha", [0, 0.0, -1.0, float("nan"), float("inf"), "1", True, None])
 def test_bad_alpha_is_config_error(alpha) -> None:
     train, test = _labels([20] * 3), _labels([5] * 3)

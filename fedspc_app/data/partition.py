@@ -547,6 +547,14 @@ def dirichlet_partition(
                 f"numpy produced non-finite Dirichlet proportions for alpha={alpha}; "
                 "use a larger alpha"
             )
+        if not np.allclose(proportions.sum(axis=1), 1.0):
+            # The gamma draws' sum overflows: numpy returns rows of zeros.
+            raise ConfigError(
+                f"alpha={alpha:g} is too large for numpy's Dirichlet draw over "
+                f"{inputs.num_clients} clients (its proportions come out as zeros); use a "
+                "smaller alpha: alpha=1e6 already gives each client an equal share of every "
+                "class, to within a fraction of a percent"
+            )
         return proportions
 
     return _draw_partition(inputs, draw, what=f"a Dirichlet partition with alpha={alpha:g}",
