@@ -5,6 +5,7 @@ No test touches the network or the real datasets under /work/shared.
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import urllib.error
@@ -503,6 +504,19 @@ def test_tinyimagenet_cache_is_rebuilt_when_stale_or_corrupt(tmp_path: Path) -> 
         assert npz["train_images"].shape == (8, 3, 64, 64)
 
 
+def test_tinyimagenet_cache_is_rebuilt_when_an_image_is_replaced(tmp_path: Path) -> None:
+    # Same names and labels, other pixels: the cache is keyed by sizes and times too.
+    folder = _write_tiny(tmp_path)
+    assert load_dataset("tinyimagenet", tmp_path).train_images[0].double().mean() < 100
+    image = folder / "train" / "n0100" / "images" / "n0100_0.JPEG"
+    before = image.stat()
+    write_jpeg(_solid((250, 250, 250)), str(image), quality=50)
+    os.utime(image, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+    clear_cache()
+    red = load_dataset("tinyimagenet", tmp_path).train_images[0].double().mean()
+    assert float(red) == pytest.approx(250, abs=3)
+
+
 def test_tinyimagenet_corrupt_jpeg_names_file(tmp_path: Path) -> None:
     folder = _write_tiny(tmp_path)
     bad = folder / "val" / "images" / "val_2.JPEG"
@@ -526,6 +540,25 @@ def test_tinyimagenet_bad_annotation(tmp_path: Path) -> None:
     folder = _write_tiny(tmp_path)
     (folder / "val" / "val_annotations.txt").write_text("val_0.JPEG\tn9999\t0\t0\t1\t1\n")
     with pytest.raises(DataError, match="n9999"):
+        load_dataset("tinyimagenet", tmp_path)
+
+
+@pytest.mark.parametrize(("lines", "message"), [
+    # Cut short: val_2 and val_3 are on disk but not annotated.
+    ("val_0.JPEG\tn0300\nval_1.JPEG\tn0100\n",
+     "does not annotate 2 of the images in .* \\(first: 'val_2.JPEG'\\)"),
+    # val_0 annotated twice, with two classes.
+    (("val_0.JPEG\tn0300\nval_1.JPEG\tn0100\nval_2.JPEG\tn0200\nval_3.JPEG\tn0100\n"
+     "val_0.JPEG\tn0100\n"),
+     ("line 5: image 'val_0.JPEG' is annotated again with another class, 'n0100' "
+     "\\(it was 'n0300'\\)")),
+])
+def test_tinyimagenet_val_annotations_must_label_each_image_once(
+    tmp_path: Path, lines: str, message: str
+) -> None:
+    folder = _write_tiny(tmp_path)
+    (folder / "val" / "val_annotations.txt").write_text(lines)
+    with pytest.raises(DataError, match=message):
         load_dataset("tinyimagenet", tmp_path)
 
 

@@ -5,6 +5,7 @@ partition (fedspc_app.data.partition), their heatmaps (fedspc_app.experiments.pl
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
 import re
@@ -256,6 +257,18 @@ def test_unsatisfiable_alpha_is_data_error_after_max_tries() -> None:
     assert 0 <= smallest < 10
 
 
+def test_alpha_beyond_numpys_dirichlet_is_config_error() -> None:
+    # alpha * K overflows numpy's gamma sum: its proportions are rows of zeros (finite),
+    # which would give every class to nobody. 1e300 still draws (near-uniform shares).
+    train, test = _labels([50] * 10), _labels([10] * 10)
+    kwargs = dict(num_clients=10, seed=0, min_samples=1)
+    with pytest.raises(ConfigError, match=r"alpha=1e\+308 is too large .* over 10 clients"):
+        dirichlet_partition(train, test, alpha=1e308, **kwargs)
+    p = dirichlet_partition(train, test, alpha=1e300, **kwargs)
+    assert p.tries == 1 and p.train_counts().sum() == 500
+    assert np.allclose(p.proportions, 0.1)
+
+
 @pytest.mark.parametrize("alpha", [0, 0.0, -1.0, float("nan"), float("inf"), "1", True, None])
 def test_bad_alpha_is_config_error(alpha) -> None:
     train, test = _labels([20] * 3), _labels([5] * 3)
@@ -502,6 +515,43 @@ def test_class_test_split_follows_train(by_class: Partition, uneven) -> None:
     diff = np.abs(by_class.test_counts() - by_class.train_counts() * ratio[None, :])
     assert np.all(diff <= 1 + ratio[None, :] + 1e-9)
     assert by_class.test_counts().sum(axis=1).min() >= 1
+
+
+def _cifar100_labels() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return (rng.permutation(np.repeat(np.arange(100), 500)),
+            rng.permutation(np.repeat(np.arange(100), 100)))
+
+
+def test_class_leftovers_go_to_random_holders_not_the_same_clients() -> None:
+    # CIFAR-100 sizes, every client holding every class: 500/60 and 100/60 images per
+    # class and client. Were the leftovers always at the same positions, half the clients
+    # would test on 100 images and half on 200 (and K=200 could never be drawn).
+    train, test = _cifar100_labels()
+    p = class_partition(train, test, num_clients=60, classes_per_client=100, seed=0)
+    tests = p.test_counts().sum(axis=1)
+    assert tests.sum() == 10000 and tests.min() > 140 and tests.max() < 195
+    assert np.all(np.abs(p.train_counts().sum(axis=1) - 50000 / 60) < 30)
+    for counts in (p.train_counts(), p.test_counts()):
+        assert np.all(counts.max(axis=0) - counts.min(axis=0) <= 1)
+    p = class_partition(train, test, num_clients=200, classes_per_client=100, seed=0)
+    assert p.tries == 1 and p.test_counts().sum(axis=1).min() >= 1
+
+
+@pytest.mark.parametrize(("num_clients", "per_client", "digest"), [
+    (10, 5, "4c0ebc42d372a481"),  # one holder per class (the committed -c5 runs)
+    (20, 10, "6f8fa308685eadd5"),  # two holders, every class splits evenly
+])
+def test_class_partition_that_splits_evenly_is_the_one_drawn_before(
+        num_clients: int, per_client: int, digest: str) -> None:
+    # The indices drawn before leftovers went to random holders, byte for byte.
+    train, test = _cifar100_labels()
+    p = class_partition(train, test, num_clients=num_clients, classes_per_client=per_client,
+                        seed=0)
+    h = hashlib.sha256()
+    for part in p.train_indices + p.test_indices:
+        h.update(np.asarray(part, dtype=np.int64).tobytes())
+    assert (p.tries, h.hexdigest()[:16]) == (1, digest)
 
 
 def test_class_partition_is_deterministic_per_seed(uneven) -> None:

@@ -11,6 +11,7 @@ import json
 import numpy as np
 import pytest
 from test_inprocess import OUTPUT, run_app, train_messages, train_replies
+from torch import nn
 
 from fedspc_app.core.config import parse_run_config
 from fedspc_app.core.errors import ConfigError
@@ -72,6 +73,35 @@ def test_a_bad_declaration_is_one_clear_error(model, shared, personal, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("*", r"\*")):
         parameter_split(model, get_method("fedper"), shared_keys=shared,
                         personal_keys=personal)
+
+
+class _Aliased(nn.Module):
+    """A model of one's own with one module under two names (``backbone`` is ``body``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten())
+        self.backbone = self.body
+        self.head = nn.Linear(4, 5)
+
+    def get_classifier(self):
+        return self.head
+
+
+@pytest.mark.parametrize("local_buffers", [False, True])
+def test_an_aliased_module_is_on_one_side_with_or_without_dp(local_buffers):
+    # Under differential privacy only buffers stay local: the alias's parameters are
+    # parameters too, not buffers, so they are shared with the module they alias.
+    split = parameter_split(_Aliased(), get_method("fedavg"), local_buffers=local_buffers)
+    assert split.personal == ()
+    assert {"body.0.weight", "backbone.0.weight"} <= split.parameters & set(split.shared)
+
+
+def test_a_declared_split_through_an_aliased_module_is_refused():
+    with pytest.raises(ConfigError, match="'body.0.weight' \\(shared\\) and "
+                                          "'backbone.0.weight' \\(personal\\) are one tensor"):
+        parameter_split(_Aliased(), get_method("fedper"), shared_keys="body.*",
+                        personal_keys="backbone.*,head.*")
 
 
 def rounds(metrics):

@@ -335,6 +335,21 @@ def _split_counts(proportions: np.ndarray, class_sizes: np.ndarray) -> np.ndarra
     return np.diff(bounds, axis=1, prepend=0)
 
 
+def _equal_shares(proportions: np.ndarray, class_sizes: np.ndarray,
+                  rng: np.random.Generator) -> np.ndarray:
+    """As :func:`_split_counts` for proportions ``1/h`` over each class's ``h`` holders:
+    each holder gets ``n_c // h`` images, and the ``n_c % h`` left over go one each to
+    holders drawn at random (by ``rng``), not to the same positions in every class."""
+    holders = proportions > 0
+    count = holders.sum(axis=1)
+    sizes = class_sizes.astype(np.int64)
+    base = np.divide(sizes, count, out=np.zeros(len(sizes)), where=count > 0).astype(np.int64)
+    left = sizes - base * count
+    keys = np.where(holders, rng.random(holders.shape), np.inf)
+    rank = np.argsort(np.argsort(keys, axis=1), axis=1)
+    return np.where(holders, base[:, None] + (rank < left[:, None]), 0)
+
+
 def _assign(labels: np.ndarray, counts: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
     """Hand out indices by ``counts[c, k]`` after shuffling within each class.
 
@@ -422,6 +437,7 @@ def _draw_partition(
     *,
     what: str,
     advice: str,
+    split: Callable[[np.ndarray, np.ndarray], np.ndarray] = _split_counts,
     **scheme: Any,
 ) -> Partition:
     """Draw proportions with ``draw`` until every client has ``min_samples`` training
@@ -429,7 +445,8 @@ def _draw_partition(
 
     ``what`` names the partition and ``advice`` the scheme's remedy in the DataError
     raised after ``max_tries`` failed draws; ``scheme`` holds the Partition's
-    ``scheme``, ``alpha`` and ``classes_per_client``.
+    ``scheme``, ``alpha`` and ``classes_per_client``; ``split`` turns proportions
+    into counts per class and client.
     """
     train_sizes, test_sizes = inputs.train_sizes, inputs.test_sizes
     rng = np.random.default_rng(inputs.seed)
@@ -437,8 +454,8 @@ def _draw_partition(
 
     for tries in range(1, inputs.max_tries + 1):
         proportions = draw(rng)
-        train_counts = _split_counts(proportions, train_sizes)
-        test_counts = _split_counts(proportions, test_sizes)
+        train_counts = split(proportions, train_sizes)
+        test_counts = split(proportions, test_sizes)
         smallest_train = int(train_counts.sum(axis=0).min())
         smallest_test = int(test_counts.sum(axis=0).min())
         best_train = max(best_train, smallest_train)
@@ -547,6 +564,14 @@ def dirichlet_partition(
                 f"numpy produced non-finite Dirichlet proportions for alpha={alpha}; "
                 "use a larger alpha"
             )
+        if not np.allclose(proportions.sum(axis=1), 1.0):
+            # The gamma draws' sum overflows: numpy returns rows of zeros.
+            raise ConfigError(
+                f"alpha={alpha:g} is too large for numpy's Dirichlet draw over "
+                f"{inputs.num_clients} clients (its proportions come out as zeros); use a "
+                "smaller alpha: alpha=1e6 already gives each client an equal share of every "
+                "class, to within a fraction of a percent"
+            )
         return proportions
 
     return _draw_partition(inputs, draw, what=f"a Dirichlet partition with alpha={alpha:g}",
@@ -590,8 +615,8 @@ def class_partition(
     clients so far (seeded random tie-breaks), so every class is held by
     ``floor(K*S/C)`` or ``ceil(K*S/C)`` clients and no client holds a class
     twice. A class's training images are shuffled and split into equal shares
-    (within one image) among its holders; its test images are split by the same
-    proportions, as in :func:`dirichlet_partition`. With ``K * S < C`` some
+    among its holders, and so are its test images; the images left over when a
+    class does not divide evenly go one each to holders drawn at random. With ``K * S < C`` some
     classes have no holder and their images are used by nobody. Assignments are
     redrawn until every client has at least ``min_samples`` training images and
     at least one test image.
@@ -644,9 +669,14 @@ def class_partition(
         holders = held.sum(axis=1, keepdims=True)
         return np.divide(held, holders, out=np.zeros(held.shape), where=holders > 0)
 
+    # The leftover images' holders come from a generator of their own, so that the
+    # holders and the shuffles are drawn as before (a class that splits evenly is cut as
+    # it always was).
+    leftovers = np.random.default_rng([inputs.seed, 1])
     return _draw_partition(inputs, draw,
                            what=f"a partition with {per_client} classes per client",
                            advice="more classes per client", scheme="classes",
+                           split=lambda p, sizes: _equal_shares(p, sizes, leftovers),
                            alpha=None, classes_per_client=per_client)
 
 

@@ -30,7 +30,7 @@ _TINY_FOLDER = "tiny-imagenet-200"
 _TINY_URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
 _TINY_SIDE = 64
 _TINY_IMAGE_SUFFIXES = (".jpeg", ".jpg")
-_TINY_CACHE_VERSION = 1
+_TINY_CACHE_VERSION = 2
 # Published Tiny ImageNet train statistics (on [0, 1]).
 _TINY_MEAN = (0.4802, 0.4481, 0.3975)
 _TINY_STD = (0.2770, 0.2691, 0.2821)
@@ -162,9 +162,20 @@ def _list_tiny_val(root: Path, wnids: Sequence[str]) -> tuple[list[Path], list[i
             raise DataError(
                 f"{str(ann_path)!r} line {lineno}: image {str(folder / fname)!r} is missing"
             )
+        if by_name.get(fname, index[wnid]) != index[wnid]:
+            raise DataError(
+                f"{str(ann_path)!r} line {lineno}: image {fname!r} is annotated again with "
+                f"another class, {wnid!r} (it was {wnids[by_name[fname]]!r})"
+            )
         by_name[fname] = index[wnid]
     if not by_name:
         raise DataError(f"{str(ann_path)!r} annotates no images")
+    unlisted = sorted(present - set(by_name))
+    if unlisted:
+        raise DataError(
+            f"{str(ann_path)!r} does not annotate {len(unlisted)} of the images in "
+            f"{str(folder)!r} (first: {unlisted[0]!r}); is it complete?"
+        )
     names = sorted(by_name)
     return [folder / n for n in names], [by_name[n] for n in names]
 
@@ -177,14 +188,17 @@ def _tiny_fingerprint(
     test_files: Sequence[Path],
     test_labels: Sequence[int],
 ) -> str:
-    """Hash of the file listing, so a cache built from a different listing is not reused."""
+    """Hash of the file listing with each file's size and modification time, so a cache
+    built from a different listing, or from files since replaced, is not reused."""
     h = hashlib.sha256()
     h.update(f"v{_TINY_CACHE_VERSION}\n".encode())
     h.update("\n".join(wnids).encode())
     for files, labels in ((train_files, train_labels), (test_files, test_labels)):
         h.update(b"\0")
         for path, label in zip(files, labels):
-            h.update(f"{path.relative_to(root).as_posix()}\t{label}\n".encode())
+            stat = path.stat()
+            h.update(f"{path.relative_to(root).as_posix()}\t{label}\t{stat.st_size}\t"
+                     f"{stat.st_mtime_ns}\n".encode())
     return h.hexdigest()
 
 

@@ -116,7 +116,9 @@ def parameter_split(model: nn.Module, method: Method, *, shared_keys: str = "",
     shares ("body", or "head" for LG-FedAvg) is the declared shared set, the other block the
     declared personal set.
     """
-    parameters = frozenset(name for name, _ in model.named_parameters())
+    # Every name of a parameter: a module registered under two names (an alias) has its
+    # parameters under both in the state dict, and neither may pass for a buffer.
+    parameters = frozenset(name for name, _ in model.named_parameters(remove_duplicate=False))
     keys = tuple(model.state_dict())
     if shared_keys.strip() or personal_keys.strip():
         shared, personal = declared_split(keys, shared_keys, personal_keys)
@@ -124,16 +126,32 @@ def parameter_split(model: nn.Module, method: Method, *, shared_keys: str = "",
         if not any(key in parameters for key in shared):
             raise ConfigError("the declared shared block has no trainable parameter; "
                               "nothing would be learned together")
-        return _buffers_local(ParameterSplit(body, head, shared, personal, parameters),
-                              local_buffers)
+        return _one_side_each(model, _buffers_local(
+            ParameterSplit(body, head, shared, personal, parameters), local_buffers))
     body, head = split_body_head(model)
     everything = body + head
     shared_set = set({"all": everything, "body": body, "head": head,
                       "none": ()}[method.shared])
     personal = tuple(key for key in keys if key not in shared_set)
     shared = tuple(key for key in keys if key in shared_set)
-    return _buffers_local(ParameterSplit(body, head, shared, personal, parameters),
-                          local_buffers)
+    return _one_side_each(model, _buffers_local(
+        ParameterSplit(body, head, shared, personal, parameters), local_buffers))
+
+
+def _one_side_each(model: nn.Module, split: ParameterSplit) -> ParameterSplit:
+    """``split``, after checking that no tensor of ``model`` is both shared and personal
+    (one tensor under two state-dict keys, e.g. an aliased module, split by a declared
+    pattern): a client would load the received global weights, then overwrite them with
+    its own old copy."""
+    state = model.state_dict()
+    shared = {state[key].data_ptr(): key for key in split.shared if state[key].numel()}
+    for key in split.personal:
+        other = shared.get(state[key].data_ptr()) if state[key].numel() else None
+        if other is not None:
+            raise ConfigError(f"state-dict keys {other!r} (shared) and {key!r} (personal) "
+                              "are one tensor of the model (a module registered under two "
+                              "names); put both on the same side of the split")
+    return split
 
 
 def _buffers_local(split: ParameterSplit, local_buffers: bool) -> ParameterSplit:
