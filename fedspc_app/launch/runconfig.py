@@ -15,6 +15,7 @@ from typing import Any
 import tomli_w
 
 from fedspc_app.core.config import RunConfig, parse_run_config
+from fedspc_app.core.files import expand_user
 from fedspc_app.core.errors import ConfigError
 
 APP_DIR = Path(__file__).resolve().parents[2]
@@ -48,12 +49,7 @@ def absolute_paths(run_config: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(run_config)
     for key in ("output-dir", "data-dir"):
         if out.get(key):
-            try:
-                path = Path(str(out[key])).expanduser()
-            except RuntimeError:  # ~name of no user, or no home folder at all
-                raise ConfigError(f"run-config '{key}' = {out[key]!r}: cannot expand '~' "
-                                  "(no such user's home folder)") from None
-            out[key] = str(path.resolve())
+            out[key] = str(expand_user(str(out[key]), key).resolve())
     return out
 
 
