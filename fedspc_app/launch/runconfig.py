@@ -15,8 +15,8 @@ from typing import Any
 import tomli_w
 
 from fedspc_app.core.config import RunConfig, parse_run_config
-from fedspc_app.core.files import expand_user
 from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.files import expand_user
 
 APP_DIR = Path(__file__).resolve().parents[2]
 _KEY = r"[^\s=]+"
