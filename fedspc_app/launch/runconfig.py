@@ -134,3 +134,12 @@ def check_resources(clients: int, client_cpus: float, client_gpus: float) -> Non
         problems.append(f"client-gpus must be >= 0, got {client_gpus:g}")
     if problems:
         raise ConfigError("simulation settings out of range: " + "; ".join(problems))
+
+
+def check_clients(num_clients: int, clients: int) -> None:
+    """A simulation's clients are its SuperNodes: a run-config ``num-clients`` other
+    than 0 must name as many, or every client would refuse the run."""
+    if num_clients and num_clients != clients:
+        raise ConfigError(
+            f"run-config num-clients={num_clients} but the simulation has {clients} "
+            f"clients (SuperNodes): give --clients {num_clients}, or num-clients=0 (all)")
