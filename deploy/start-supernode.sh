@@ -85,5 +85,9 @@ else
     fi
 fi
 
+# Flower's processes call each other over this machine's loopback, which gRPC would
+# send through $http_proxy / $https_proxy too: keep it out of any proxy.
+export no_proxy="${no_proxy:+$no_proxy,}127.0.0.1,localhost,::1"
+export NO_PROXY="${NO_PROXY:+$NO_PROXY,}127.0.0.1,localhost,::1"
 export RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0
 exec flower-supernode "${args[@]}" "${extra[@]}"

@@ -280,6 +280,9 @@ def test_the_papers_methods_are_registered_and_nothing_else_validates():
         ("run-name", "a/b"),
         ("run-name", ".."),
         ("output-dir", ""),
+        ("output-dir", "~nosuchuser-fedspc/results"),
+        ("data-dir", "~nosuchuser-fedspc"),
+        ("client-state-dir", "~nosuchuser-fedspc/state"),
     ],
 )
 def test_out_of_range_values_are_rejected(key, value):

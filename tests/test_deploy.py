@@ -323,6 +323,25 @@ def test_start_superlink_script_enables_tls_and_node_auth(tmp_path):
     assert missing.returncode == 2 and "python -m deploy.pki certs" in missing.stderr
 
 
+@pytest.mark.parametrize("name", ["flower-superlink", "flower-supernode"])
+def test_start_scripts_keep_the_loopback_out_of_a_proxy(tmp_path, name):
+    # Flower's processes call each other on 127.0.0.1, which gRPC would send through
+    # $http_proxy too; the proxy itself stays for the connections that leave the machine.
+    env = fake_flower(tmp_path, name)
+    (tmp_path / "bin" / name).write_text('#!/usr/bin/env bash\necho "$no_proxy|$NO_PROXY"\n')
+    extra = ["--insecure"] + (["--superlink", "h:1", "--partition-id", "0",
+                               "--num-partitions", "1"] if name.endswith("node") else [])
+    for proxy_env, expected in (({}, "127.0.0.1,localhost,::1|127.0.0.1,localhost,::1"),
+                                ({"no_proxy": "corp", "NO_PROXY": "corp"},
+                                 "corp,127.0.0.1,localhost,::1|corp,127.0.0.1,localhost,::1")):
+        base = {k: v for k, v in env.items() if k not in ("no_proxy", "NO_PROXY")}
+        result = script(f"start-{name.removeprefix('flower-')}.sh", *extra,
+                        env={**base, **proxy_env, "http_proxy": "http://proxy:3128"},
+                        cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == expected
+
+
 def test_submit_merges_a_preset_and_overrides_and_requires_num_clients(tmp_path):
     from deploy.submit import build_run_config
     from fedspc_app.core.errors import FedSPCError

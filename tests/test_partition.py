@@ -607,6 +607,19 @@ def test_unsatisfiable_min_samples_is_data_error_after_max_tries() -> None:
         assert expected in message
 
 
+def test_short_test_split_advice_leaves_out_min_samples() -> None:
+    # 16 clients of 1 class over 8 classes: 2 holders a class, so a class with one test
+    # image leaves a holder without one whatever the deal; every client has 50 training
+    # images, and every class has holders, so only fewer clients helps.
+    train, test = _labels([100] * 8), _labels([1] * 4 + [3] * 4)
+    with pytest.raises(DataError) as info:
+        _classes(train, test, num_clients=16, classes_per_client=1, min_samples=10,
+                 max_tries=3)
+    message = str(info.value)
+    assert "best smallest test split: 0 images" in message
+    assert message.endswith("Use fewer clients.")
+
+
 def test_unknown_scheme_is_config_error(uneven, part: Partition) -> None:
     train, test = uneven
     assert set(SCHEMES) == set(PARTITIONS)

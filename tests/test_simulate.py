@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from fedspc_app import simulate
+from fedspc_app.core.errors import ConfigError
 from fedspc_app.launch import cli, superlink
 from fedspc_app.launch.processes import (
     LaunchFailed,
@@ -514,6 +515,49 @@ def test_worker_overhead_times_the_same_client_in_plain_processes(capsys, monkey
     assert line.startswith("process ") and "images/s per worker" in line
     assert "first calls" in line and line.count(",") >= 1  # one first call per worker
     assert script.summary([[(9.0, 100), (2.0, 100)], [(8.0, 50), (1.0, 50)]]) == (1.5, 50.0)
+
+
+def test_simulated_clients_follow_num_clients_and_a_mismatch_is_refused():
+    # Every simulated client refuses a run whose num-clients is not the SuperNodes'
+    # number: --clients defaults to num-clients, and a contradiction is refused up front.
+    parser = argparse.ArgumentParser()
+    cli.add_run_config_arguments(parser)
+    cli.add_resource_arguments(parser)
+    for argv, clients in ((["--set", "num-clients=3"], 3), ([], 10),
+                          (["--clients", "4"], 4), (["--clients", "3", "--set", "num-clients=3"], 3)):
+        args = parser.parse_args(argv)
+        cli.simulation_overrides(args)
+        assert args.clients == clients, argv
+    with pytest.raises(ConfigError, match="num-clients=3 but the simulation has 4 clients"):
+        cli.simulation_overrides(parser.parse_args(["--clients", "4", "--set", "num-clients=3"]))
+    with pytest.raises(ConfigError, match="num-clients=3 but the simulation has 2 clients"):
+        superlink.run_simulation({"num-clients": 3}, superlink=None, clients=2)
+
+
+def test_children_reach_a_loopback_grpc_server_with_a_proxy_in_the_environment(tmp_path):
+    # gRPC sends even a call to 127.0.0.1 through $http_proxy / $https_proxy; Flower's
+    # processes talk over the loopback, so child_env keeps it out of any proxy.
+    grpc = pytest.importorskip("grpc")
+    from concurrent import futures
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    probe = ("import grpc, sys; channel = grpc.insecure_channel(sys.argv[1]); "
+             "grpc.channel_ready_future(channel).result(timeout=5)")
+    proxied = {**os.environ, "http_proxy": "http://127.0.0.1:9",
+               "https_proxy": "http://127.0.0.1:9", "no_proxy": "example.org", "NO_PROXY": ""}
+    try:
+        for env, ok in ((proxied, False), (child_env(proxied), True)):
+            done = subprocess.run([sys.executable, "-c", probe, f"127.0.0.1:{port}"], env=env,
+                                  check=False,
+                                  capture_output=True, timeout=60)
+            assert (done.returncode == 0) is ok, done.stderr[-500:]
+    finally:
+        server.stop(None)
+    env = child_env(proxied)
+    assert env["no_proxy"] == "example.org,127.0.0.1,localhost,::1"
+    assert env["NO_PROXY"] == "127.0.0.1,localhost,::1"
+    assert child_env(env) == env  # once is enough
 
 
 def test_set_given_twice_applies_both_the_later_winning():

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.files import expand_user
 from fedspc_app.core.named import check_name, is_named
 from fedspc_app.core.phase_timing import check_round_timeout
 
@@ -656,6 +657,8 @@ def validate(config: RunConfig) -> RunConfig:
         raise ConfigError(f"run-config 'run-name' must be a plain name, got {config.run_name!r}")
     if not config.output_dir:
         raise ConfigError("run-config 'output-dir' must not be empty")
+    for key in ("output-dir", "data-dir", "client-state-dir"):  # ~name of no user
+        expand_user(getattr(config, key.replace("-", "_")), key)
     return config
 
 

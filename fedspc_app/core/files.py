@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from fedspc_app.core.errors import BusyError
+from fedspc_app.core.errors import BusyError, ConfigError
 
 
 @contextlib.contextmanager
@@ -161,3 +161,13 @@ def find_folder(data_dir: Path, folder: str, required: Sequence[str]) -> Path | 
     ):
         return data_dir
     return None
+
+
+def expand_user(path: str, key: str) -> Path:
+    """``path`` with a leading ``~`` or ``~user`` expanded; a ``~`` that names no
+    user's home folder is a ConfigError naming the run-config ``key``."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # ~name of no user, or no home folder at all
+        raise ConfigError(f"run-config '{key}' = {path!r}: cannot expand '~' "
+                          "(no such user's home folder)") from None

@@ -436,15 +436,16 @@ def _draw_partition(
     draw: Callable[[np.random.Generator], np.ndarray],
     *,
     what: str,
-    advice: str,
+    advice: tuple[str, ...],
     split: Callable[[np.ndarray, np.ndarray], np.ndarray] = _split_counts,
     **scheme: Any,
 ) -> Partition:
     """Draw proportions with ``draw`` until every client has ``min_samples`` training
     images and one test image, then hand out the indices.
 
-    ``what`` names the partition and ``advice`` the scheme's remedy in the DataError
-    raised after ``max_tries`` failed draws; ``scheme`` holds the Partition's
+    ``what`` names the partition and ``advice`` the scheme's remedies in the DataError
+    raised after ``max_tries`` failed draws (with fewer clients, and a smaller
+    min-samples where training images fell short); ``scheme`` holds the Partition's
     ``scheme``, ``alpha`` and ``classes_per_client``; ``split`` turns proportions
     into counts per class and client.
     """
@@ -463,12 +464,14 @@ def _draw_partition(
         if smallest_train >= inputs.min_samples and smallest_test >= 1:
             break
     else:
+        remedies = [*advice, "fewer clients"] + ["a smaller min-samples"] * (
+            best_train < inputs.min_samples)
         raise DataError(
             f"Could not draw {what} over K={inputs.num_clients} clients giving every "
             f"client >= min_samples={inputs.min_samples} training images and >= 1 test "
             f"image in {inputs.max_tries} tries; the best try's smallest client had "
             f"{best_train} training images (best smallest test split: {best_test} "
-            f"images). Use {advice}, fewer clients or a smaller min-samples."
+            f"images). Use {' or '.join(filter(None, [', '.join(remedies[:-1]), remedies[-1]]))}."
         )
 
     train_parts = _assign(inputs.train, train_counts, rng)
@@ -575,7 +578,7 @@ def dirichlet_partition(
         return proportions
 
     return _draw_partition(inputs, draw, what=f"a Dirichlet partition with alpha={alpha:g}",
-                           advice="a larger alpha", scheme="dirichlet", alpha=alpha)
+                           advice=("a larger alpha",), scheme="dirichlet", alpha=alpha)
 
 
 def _class_holders(num_clients: int, num_classes: int, classes_per_client: int,
@@ -669,13 +672,13 @@ def class_partition(
         holders = held.sum(axis=1, keepdims=True)
         return np.divide(held, holders, out=np.zeros(held.shape), where=holders > 0)
 
-    # The leftover images' holders come from a generator of their own, so that the
-    # holders and the shuffles are drawn as before (a class that splits evenly is cut as
-    # it always was).
+    # The leftover images' holders come from a generator of their own, so holders and
+    # shuffles are drawn as before (a class that splits evenly is cut as it always was).
     leftovers = np.random.default_rng([inputs.seed, 1])
+    unheld = inputs.num_clients * per_client < inputs.num_classes  # more S, more images
     return _draw_partition(inputs, draw,
                            what=f"a partition with {per_client} classes per client",
-                           advice="more classes per client", scheme="classes",
+                           advice=("more classes per client",) * unheld, scheme="classes",
                            split=lambda p, sizes: _equal_shares(p, sizes, leftovers),
                            alpha=None, classes_per_client=per_client)
 

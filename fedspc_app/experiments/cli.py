@@ -39,7 +39,7 @@ from fedspc_app.experiments.reports import write_report
 from fedspc_app.experiments.runner import CellRunner, print_plan, run_grid
 from fedspc_app.launch.cli import BAD_INPUT, FAILED, PAUSED, JoinedAssignments, fail
 from fedspc_app.launch.processes import exit_on_termination
-from fedspc_app.launch.runconfig import load_overrides, parse_assignments
+from fedspc_app.launch.runconfig import check_clients, load_overrides, parse_assignments
 
 
 # ------------------------------------------------------------------- commands
@@ -55,6 +55,12 @@ def _grid(args: argparse.Namespace) -> Grid:
     chosen = {"clients": args.clients, "client_cpus": args.client_cpus,
               "client_gpus": args.client_gpus, "timeout": args.timeout}
     simulation = dataclasses.replace(sim, **{k: v for k, v in chosen.items() if v is not None})
+    for cell in grid.cells:
+        if cell.kind == "federated":
+            try:
+                check_clients(int(cell.run_config.get("num-clients") or 0), simulation.clients)
+            except ConfigError as error:
+                raise ConfigError(f"cell {cell.name}: {error}") from None
     return dataclasses.replace(grid, simulation=simulation)
 
 

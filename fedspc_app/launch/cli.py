@@ -11,6 +11,7 @@ from typing import Any
 from fedspc_app.core.errors import FedSPCError
 from fedspc_app.launch.processes import LaunchFailed, exit_on_termination
 from fedspc_app.launch.runconfig import (
+    check_clients,
     check_resources,
     load_overrides,
     resolve_run_config,
@@ -42,17 +43,23 @@ def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_resource_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--clients", type=int, default=10, help="simulated SuperNodes (K)")
+    parser.add_argument("--clients", type=int,
+                        help="simulated SuperNodes (K); default: the run-config's "
+                             "num-clients, else 10")
     parser.add_argument("--client-cpus", type=float, default=1.0)
     parser.add_argument("--client-gpus", type=float, default=0.0,
                         help="GPU fraction per client, e.g. 0.25 runs 4 clients per GPU")
 
 
 def simulation_overrides(args: argparse.Namespace, **fixed: Any) -> dict[str, Any]:
-    """``--run-config``, then ``--set``, then ``fixed``, checked; else a FedSPCError."""
+    """``--run-config``, then ``--set``, then ``fixed``, checked; else a FedSPCError.
+    Sets ``args.clients`` when it was not given (the run-config's num-clients, else 10)."""
     overrides = {**load_overrides(args.run_config, args.set), **fixed}
+    num_clients = resolve_run_config(overrides)[1].num_clients
+    if args.clients is None:
+        args.clients = num_clients or 10
     check_resources(args.clients, args.client_cpus, args.client_gpus)
-    resolve_run_config(overrides)
+    check_clients(num_clients, args.clients)
     return overrides
 
 

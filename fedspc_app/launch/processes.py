@@ -40,14 +40,22 @@ def console_script(name: str) -> str:
     return str(candidate) if candidate.exists() else (shutil.which(name) or name)
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 def child_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     """``base`` (default: this environment) with the running interpreter's bin folder
-    first on PATH: Flower's processes start others (``flower-superexec``) by name."""
+    first on PATH: Flower's processes start others (``flower-superexec``) by name; and
+    this machine's loopback in ``no_proxy``: gRPC sends even a call to 127.0.0.1
+    through ``$http_proxy``/``$https_proxy``, which cannot reach it."""
     env = dict(os.environ if base is None else base)
     bin_dir = str(Path(sys.executable).parent)
     path = env.get("PATH", "")
     if path.split(os.pathsep)[0] != bin_dir:
         env["PATH"] = os.pathsep.join([bin_dir, path]) if path else bin_dir
+    for key in ("no_proxy", "NO_PROXY"):
+        hosts = [host for host in env.get(key, "").split(",") if host.strip()]
+        env[key] = ",".join(hosts + [host for host in LOOPBACK if host not in hosts])
     return env
 
 

@@ -16,6 +16,7 @@ import tomli_w
 
 from fedspc_app.core.config import RunConfig, parse_run_config
 from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.files import expand_user
 
 APP_DIR = Path(__file__).resolve().parents[2]
 _KEY = r"[^\s=]+"
@@ -48,12 +49,7 @@ def absolute_paths(run_config: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(run_config)
     for key in ("output-dir", "data-dir"):
         if out.get(key):
-            try:
-                path = Path(str(out[key])).expanduser()
-            except RuntimeError:  # ~name of no user, or no home folder at all
-                raise ConfigError(f"run-config '{key}' = {out[key]!r}: cannot expand '~' "
-                                  "(no such user's home folder)") from None
-            out[key] = str(path.resolve())
+            out[key] = str(expand_user(str(out[key]), key).resolve())
     return out
 
 
@@ -138,3 +134,12 @@ def check_resources(clients: int, client_cpus: float, client_gpus: float) -> Non
         problems.append(f"client-gpus must be >= 0, got {client_gpus:g}")
     if problems:
         raise ConfigError("simulation settings out of range: " + "; ".join(problems))
+
+
+def check_clients(num_clients: int, clients: int) -> None:
+    """A simulation's clients are its SuperNodes: a run-config ``num-clients`` other
+    than 0 must name as many, or every client would refuse the run."""
+    if num_clients and num_clients != clients:
+        raise ConfigError(
+            f"run-config num-clients={num_clients} but the simulation has {clients} "
+            f"clients (SuperNodes): give --clients {num_clients}, or num-clients=0 (all)")

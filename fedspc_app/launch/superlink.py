@@ -31,7 +31,12 @@ from fedspc_app.launch.processes import (
     launch_failed,
     run_logged,
 )
-from fedspc_app.launch.runconfig import APP_DIR, resolve_run_config, run_config_file
+from fedspc_app.launch.runconfig import (
+    APP_DIR,
+    check_clients,
+    resolve_run_config,
+    run_config_file,
+)
 from fedspc_app.runs.pause import RunPaused
 from fedspc_app.runs.provenance import origin_env
 from fedspc_app.runs.runfolder import claim_run_folder
@@ -210,6 +215,7 @@ def run_simulation(run_config: Mapping[str, Any], *, superlink: LocalSuperLink,
                    app_dir: Path = APP_DIR, log_file: Path | None = None,
                    timeout: float | None = None, echo: bool = False) -> dict[str, Any]:
     """Validate, submit and wait for one simulated run; return its ``summary.json``."""
+    check_clients(resolve_run_config(run_config, app_dir)[1].num_clients, clients)
     return submit_and_check(
         run_config,
         lambda merged: flwr_run(superlink, merged, clients=clients, client_cpus=client_cpus,
