@@ -198,9 +198,11 @@ class FedSPC(PersonalizedFedAvg):
             raise ValueError("the checkpoint's u_bar does not cover the corrected keys")
         if any(set(reference) != set(self.corrected_keys) for reference in tracked.values()):
             raise ValueError("a tracked u_k of the checkpoint does not cover the corrected keys")
-        if self.reference in CENTRE_RULES and completed_round > 0 and not tracked:
-            raise ValueError("the checkpoint keeps no u_k: it was written with "
-                             "reference 'increment'")
+        # A centre rule tracks the u_k of every accepted reply: none tracked after an
+        # accepted one means the increment wrote it; rounds that all failed track none.
+        if self.reference in CENTRE_RULES and any(self.accepted_rounds) and not tracked:
+            raise ValueError("the checkpoint keeps no u_k, though it has accepted "
+                             "replies: it was written with reference 'increment'")
         self.global_reference = {key: np.asarray(value, dtype=np.float32)
                                  for key, value in global_reference.items()}
         if isinstance(self.client_references, ClientReferences):

@@ -143,6 +143,26 @@ def test_a_checkpoint_without_tracked_references_is_refused():
                                  global_reference=strategy.state_arrays())
 
 
+@pytest.mark.parametrize("reference", ["client-centre", "server-centre", "auto"])
+def test_a_centre_rule_run_whose_rounds_all_failed_resumes(reference):
+    # Round 1 fails (no reply came): its checkpoint holds u_bar = 0 and no u_k, and a
+    # resume continues it as the uninterrupted run goes on.
+    strategy = server(reference, rule="median")
+    strategy.configure_train(1, record({W: f32(0.0, 0.0)}), ConfigRecord(),
+                             FakeGrid(range(1, CLIENTS + 1)))
+    assert strategy.aggregate_train(1, []) == (None, None) and strategy.report.failed
+    state = strategy.state_arrays()
+    assert set(state) == {W}
+    restored = server(reference, rule="median")
+    restored.load_state_dict(strategy.state_dict(), 1, global_reference=state)
+    np.testing.assert_array_equal(restored.global_reference[W], f32(0.0, 0.0))
+    theta = f32(0.3, -0.2)
+    for twin in (strategy, restored):
+        Federation().round(twin, 2, theta, range(CLIENTS))
+    np.testing.assert_array_equal(restored.global_reference[W], strategy.global_reference[W])
+    assert set(restored.client_references) == set(range(CLIENTS))
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="reference must be one of"):
         server("centre")
