@@ -210,8 +210,11 @@ class AggregationRule:
 
     def selected(self, updates: Sequence[ArrayDict], keys: Sequence[str]) -> list[int]:
         """The indices of the updates that enter the aggregate: all of them, except for
-        Krum and Multi-Krum, which score the updates of ``keys``."""
-        if self.name not in ("krum", "multi-krum") or len(updates) == 1:
+        Krum and Multi-Krum, which score the updates of ``keys``. With no key to score
+        (method ``local``, or a split with no shared trainable parameter) every update
+        ties and all enter, as they would under the mean: Flower's scoring raises on
+        an empty update."""
+        if self.name not in ("krum", "multi-krum") or len(updates) == 1 or not keys:
             return list(range(len(updates)))
         count = self.krum_count(len(updates))
         # Flower's selection reads the first ArrayRecord of each RecordDict: copies
