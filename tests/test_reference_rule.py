@@ -177,6 +177,17 @@ def test_bad_settings_are_refused():
                               aggregation="median")).fedspc_reference == "client-centre"
 
 
+@pytest.mark.parametrize("reference", ["client-centre", "server-centre"])
+def test_a_centre_rule_under_the_weighted_mean_is_refused(reference):
+    # The centre counts every client's u_k alike: under "weighted" u_bar would not be
+    # the weighted mean of the u_k that theta_s's correction needs.
+    with pytest.raises(ConfigError, match="weighs every u_k alike"):
+        validate(RunConfig(fedspc=True, fedspc_reference=reference, aggregation="weighted"))
+    with pytest.raises(ValueError, match="needs 'increment'"):
+        server(reference, rule="weighted")
+    assert validate(RunConfig(fedspc=True, aggregation="weighted")).reference_rule == "increment"
+
+
 @pytest.mark.parametrize(("aggregation", "fedspc", "warned"), [
     ("krum", True, True), ("krum", False, False), ("median", True, False)])
 def test_krum_with_fedspc_is_warned_about(aggregation, fedspc, warned):
