@@ -43,13 +43,14 @@ from fedspc_app.models.split import parameter_split
 from fedspc_app.training.client_data import client_data
 from fedspc_app.training.precision import apply_determinism
 from strategies.aggregation import AggregationRule, mean_arrays, robust_reference_sum
+from strategies.sampling import sampled_count
 from strategies.summaries import evaluation_summary
 
 
 def _sample(rng: np.random.Generator, num_clients: int, fraction: float) -> list[int]:
     if fraction >= 1.0:
         return list(range(num_clients))
-    count = max(1, int(num_clients * fraction))
+    count = sampled_count(num_clients, fraction)  # the server's count
     return sorted(int(k) for k in rng.choice(num_clients, size=count, replace=False))
 
 
