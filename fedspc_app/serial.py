@@ -5,7 +5,8 @@ data, partition, model and client code (:func:`clients.train_client` and
 :func:`clients.evaluate_client`), averages the shared block in partition order and
 updates u_bar as :class:`strategies.FedSPC` does, with the same functions
 (:func:`strategies.personalized.mean_arrays`,
-:func:`fedspc_app.core.correction.global_reference_update`, and for the evaluation
+:func:`fedspc_app.core.correction.global_reference_update`, under ``weighted``
+:func:`strategies.aggregation.robust_reference_sum`, and for the evaluation
 :func:`strategies.summaries.evaluation_summary`). It is the baseline of
 ``scripts/benchmark.py --compare``, and a cross-check of the apps: with every client
 sampled, its metrics are those of the Flower run with the same run-config, bit for
@@ -41,14 +42,15 @@ from fedspc_app.models.run_model import load_arrays, make_model, state_arrays
 from fedspc_app.models.split import parameter_split
 from fedspc_app.training.client_data import client_data
 from fedspc_app.training.precision import apply_determinism
-from strategies.aggregation import mean_arrays
+from strategies.aggregation import AggregationRule, mean_arrays, robust_reference_sum
+from strategies.sampling import sampled_count
 from strategies.summaries import evaluation_summary
 
 
 def _sample(rng: np.random.Generator, num_clients: int, fraction: float) -> list[int]:
     if fraction >= 1.0:
         return list(range(num_clients))
-    count = max(1, int(num_clients * fraction))
+    count = sampled_count(num_clients, fraction)  # the server's count
     return sorted(int(k) for k in rng.choice(num_clients, size=count, replace=False))
 
 
@@ -161,8 +163,11 @@ def _rounds(config: RunConfig, num_clients: int, local: _Clients,
                    if config.aggregation == "weighted" else [1.0] * len(ids))
         shared = mean_arrays([outcomes[k].shared for k in ids], weights)
         if corrected:
-            u_bar = global_reference_update(
-                u_bar, (outcomes[k].reference_change for k in ids), num_clients)
+            changes = [outcomes[k].reference_change for k in ids]
+            if config.aggregation == "weighted":  # as FedSPC: count x the weighted mean
+                changes = [robust_reference_sum(AggregationRule("weighted"), changes,
+                                                range(len(ids)), len(ids), weights)]
+            u_bar = global_reference_update(u_bar, changes, num_clients)
         for k in ids:
             states[k] = outcomes[k].state
         trained = time.perf_counter()

@@ -29,8 +29,9 @@ bound (Algorithm 1).
 Krum scores the clients by their updates of the shared trainable parameters;
 the selected clients' whole shared blocks are then averaged. The coordinate rules
 apply to every floating-point shared entry (BatchNorm statistics too); integer
-counters keep the rounded mean. Every rule is unweighted. With FedSPC the update
-of u_bar follows the same rule (:func:`robust_reference_sum`, or the centre of the
+counters keep the rounded mean. Every robust rule is unweighted. With FedSPC the
+update of u_bar follows the same rule, the weighted mean's too
+(:func:`robust_reference_sum`, or under a robust rule the centre of the
 tracked u_k of :mod:`strategies.references`, which Krum scores themselves), and
 :meth:`AggregationRule.centre_rows` is the rule on one block of coordinates of many
 clients, for centres computed block by block.
@@ -210,8 +211,11 @@ class AggregationRule:
 
     def selected(self, updates: Sequence[ArrayDict], keys: Sequence[str]) -> list[int]:
         """The indices of the updates that enter the aggregate: all of them, except for
-        Krum and Multi-Krum, which score the updates of ``keys``."""
-        if self.name not in ("krum", "multi-krum") or len(updates) == 1:
+        Krum and Multi-Krum, which score the updates of ``keys``. With no key to score
+        (method ``local``, or a split with no shared trainable parameter) every update
+        ties and all enter, as they would under the mean: Flower's scoring raises on
+        an empty update."""
+        if self.name not in ("krum", "multi-krum") or len(updates) == 1 or not keys:
             return list(range(len(updates)))
         count = self.krum_count(len(updates))
         # Flower's selection reads the first ArrayRecord of each RecordDict: copies
@@ -274,11 +278,16 @@ def bounded(updates: Sequence[ArrayDict], origin: ArrayDict, keys: Sequence[str]
 
 
 def robust_reference_sum(rule: AggregationRule, changes: Sequence[ArrayDict],
-                         selected: Sequence[int], count: int) -> ArrayDict:
+                         selected: Sequence[int], count: int,
+                         weights: Sequence[float] | None = None) -> ArrayDict:
     """What replaces ``sum_{k in S} (u_k' - u_k)`` in u_bar's update under a robust
-    rule: ``count`` (the number of accepted replies) times the rule's centre of the
-    reference changes: the mean of Krum's selection, or the coordinate-wise median or
-    trimmed mean. For the plain mean it equals the sum."""
+    rule or the weighted mean: ``count`` (the number of accepted replies) times the
+    rule's centre of the reference changes: the mean of Krum's selection, the
+    coordinate-wise median or trimmed mean, or under ``weighted`` their mean weighted
+    by ``weights`` (theta_s's, the training images), so that the correction cancels
+    in theta_s's weighted aggregate as in the mean's. For the plain mean it equals the
+    sum."""
     chosen = [changes[i] for i in selected]
-    centre = rule.combine(chosen, [1.0] * len(chosen))
+    weights = [1.0] * len(changes) if weights is None else weights
+    centre = rule.combine(chosen, [weights[i] for i in selected])
     return {key: (np.asarray(value, dtype=np.float64) * count) for key, value in centre.items()}

@@ -18,7 +18,13 @@ the change, as the paper describes. Both give identical parameters.
 Under a robust aggregation rule (:mod:`strategies.aggregation`) the u_bar update
 follows the same rule: the sum of the changes is replaced by the number of accepted
 replies times the coordinate-wise median or trimmed mean of the changes, or the mean
-of the changes of the clients Krum selects. A server optimizer moves theta_s only.
+of the changes of the clients Krum selects. Under ``aggregation="weighted"`` it is
+that count times the changes' mean weighted as theta_s is (by training images): with
+every client training, u_bar stays the weighted mean of the u_k and the correction
+cancels in theta_s's weighted aggregate (with the plain sum, u_bar is the unweighted
+mean, and at the fixed point u_k = g_k theta_s would follow the unweighted mean
+gradient). Under the mean it is Algorithm 1's sum, bit for bit. A server optimizer
+moves theta_s only.
 
 u_bar is then the running sum of the rounds' robust centres, and a bias that has
 the same sign every round (one persistent attacker shifts the median of the changes
@@ -86,6 +92,7 @@ from fedspc_app.core.protocol import (
     CLIENT_REFERENCE_RECORD,
     GLOBAL_REFERENCE,
     METRICS,
+    NUM_EXAMPLES,
     PARTITION_ID,
     REFERENCE_CHANGE,
     REFERENCE_UPLOAD,
@@ -150,6 +157,9 @@ class FedSPC(PersonalizedFedAvg):
         if reference in CENTRE_RULES and self.privacy is not None:
             raise ValueError("reference 'client-centre' needs every client's reference "
                              "change, which differential privacy does not release")
+        if reference in CENTRE_RULES and self.rule.name == "weighted":
+            raise ValueError(f"reference {reference!r} counts every client's u_k alike; "
+                             "under the weighted mean u_bar needs 'increment'")
         missing = set(corrected_keys) - set(self.shared_keys)
         if missing:
             raise ValueError(f"corrected keys outside the shared block: {sorted(missing)[:3]}")
@@ -198,9 +208,11 @@ class FedSPC(PersonalizedFedAvg):
             raise ValueError("the checkpoint's u_bar does not cover the corrected keys")
         if any(set(reference) != set(self.corrected_keys) for reference in tracked.values()):
             raise ValueError("a tracked u_k of the checkpoint does not cover the corrected keys")
-        if self.reference in CENTRE_RULES and completed_round > 0 and not tracked:
-            raise ValueError("the checkpoint keeps no u_k: it was written with "
-                             "reference 'increment'")
+        # A centre rule tracks the u_k of every accepted reply: none tracked after an
+        # accepted one means the increment wrote it; rounds that all failed track none.
+        if self.reference in CENTRE_RULES and any(self.accepted_rounds) and not tracked:
+            raise ValueError("the checkpoint keeps no u_k, though it has accepted "
+                             "replies: it was written with reference 'increment'")
         self.global_reference = {key: np.asarray(value, dtype=np.float32)
                                  for key, value in global_reference.items()}
         if isinstance(self.client_references, ClientReferences):
@@ -338,7 +350,8 @@ class FedSPC(PersonalizedFedAvg):
     def summed_changes(self, accepted: Sequence[Message],
                        changes: Iterable[ArrayDict]) -> Iterable[ArrayDict]:
         """What Algorithm 1's increment of u_bar sums: the accepted replies' changes,
-        or under DP or a robust rule the one term that stands for their sum."""
+        or under DP, a robust rule or the weighted mean the one term that stands for
+        their sum."""
         if self.privacy is not None:
             # Differential privacy: from the privatized aggregate alone. Every client
             # took the same public E steps, so sum_k (u_k' - u_k) = -m u_bar -
@@ -349,11 +362,14 @@ class FedSPC(PersonalizedFedAvg):
                                       learning_rate=self.round_learning_rate)
             return [{k: v.astype(np.float64) * self.expected_clients
                      for k, v in change.items()}]
-        if self.rule.robust:
+        if self.rule.robust or self.rule.name == "weighted":
             # The sum over the accepted replies' changes, replaced by their count
-            # times the rule's centre of the changes (Krum: of the selected ones).
+            # times the rule's centre of the changes (Krum: of the selected ones;
+            # weighted: their mean with theta_s's weights, so the correction cancels).
+            weights = [float(m.content.metric_records[METRICS][NUM_EXAMPLES])
+                       for m in accepted]
             return [robust_reference_sum(self.rule, list(changes), self.selected,
-                                         len(accepted))]
+                                         len(accepted), weights)]
         return changes
 
     def client_centre(self, accepted: Sequence[Message],

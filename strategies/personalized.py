@@ -545,14 +545,16 @@ class PersonalizedFedAvg(FedAvg):
                  ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """:meth:`aggregate_accepted` under differential privacy; a release that would
         not be the mechanism's (:class:`ReleaseError`) fails the round instead, with
-        no reply accepted and C_t as it was."""
+        no reply accepted, and C_t and the server optimizer's moments (stepped before
+        the check that fails) as they were."""
         before = list(self.accepted_rounds)
-        clipping_norm = self.release.clipping_norm
+        clipping_norm, moments = self.release.clipping_norm, self.optimizer_arrays()
         try:
             return self.aggregate_accepted(server_round, accepted)
         except ReleaseError as error:
             self.accepted_rounds = before
             self.release.clipping_norm = clipping_norm
+            self.load_optimizer_arrays(moments)
             return self.fail(server_round, str(error))
 
     def aggregate_accepted(

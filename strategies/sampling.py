@@ -29,6 +29,7 @@ held-out ones are messaged only for their evaluation (:meth:`PartitionSampler.he
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Collection, Iterable, Sequence
@@ -44,6 +45,15 @@ from fedspc_app.core.protocol import CONFIG, METRICS, NODE_QUERY, PARTITION_ID, 
 from fedspc_app.core.replies import node_answer_schema, one_line
 
 QUERY_TIMEOUT = 120.0  # seconds for the nodes' partition ids (a node answers from memory)
+
+
+def sampled_count(clients: int, fraction: float) -> int:
+    """How many of ``clients`` a seeded draw of ``fraction`` takes: the floor of the
+    product as written in decimal, at least 1 and at most all. The float product
+    falls just short of some whole numbers (0.29 × 100 = 28.999999999999996), which
+    truncating would sample one client too few; rounding it to 9 decimals first keeps
+    every product that was already exact as it was."""
+    return min(clients, max(1, math.floor(round(clients * fraction, 9))))
 
 
 class PartitionSampler:
@@ -119,7 +129,7 @@ class PartitionSampler:
                 return list(range(self.training))
             coins = secret_generator(self.secret, server_round, SAMPLE).random(self.training)
             return [int(p) for p in np.flatnonzero(coins < fraction)]
-        size = min(self.training, max(1, int(self.training * fraction)))
+        size = sampled_count(self.training, fraction)
         if size == self.training:
             return list(range(self.training))
         generator = random.Random(f"{self.seed}/{phase}/{server_round}")

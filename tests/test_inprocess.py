@@ -293,6 +293,18 @@ def test_the_plain_loop_computes_what_the_apps_compute(method, fedspc):
         [{k: r[k] for k in keys} for r in metrics["rounds"]]
 
 
+@pytest.mark.parametrize(("method", "fedspc"), [("fedrep", True), ("scaffold", False)])
+def test_the_plain_loop_weighs_u_bar_as_the_apps_do(method, fedspc):
+    """aggregation = "weighted": u_bar (SCAFFOLD's c) moves by the count times the
+    weighted mean of the changes in both, so round 2, trained with it, agrees."""
+    grid, metrics = run_app(method, fedspc, aggregation="weighted")
+    config = parse_run_config(grid.contexts[1].run_config)
+    plain = run_serial(config, NUM_CLIENTS, echo=lambda line: None)["rounds"]
+    keys = ("accuracy", "loss", "train-loss", "client-accuracy")
+    assert [{k: r[k] for k in keys} for r in plain] == \
+        [{k: r[k] for k in keys} for r in metrics["rounds"]]
+
+
 def test_the_plain_loop_in_worker_processes_computes_what_it_computes_in_one():
     """``workers`` > 1 (the benchmark's process-parallel baseline) moves the client
     calls to spawned one-thread processes and nothing else: Ditto + FedSPC (client

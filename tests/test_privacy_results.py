@@ -307,6 +307,35 @@ def test_a_release_that_moves_nothing_fails_the_round(how, monkeypatch):
     assert arrays is not None
 
 
+@pytest.mark.usefixtures("task_identity")
+@pytest.mark.parametrize(("name", "options", "moments"), [
+    ("fedadam", {}, {"m/w": f32(0.1, 0.2, 0.3), "v/w": f32(0.01, 0.02, 0.03)}),
+    ("fedadam", {}, {}),
+    ("fedavgm", {"momentum": 0.9}, {"momentum/w": f32(0.5, -0.5, 0.25)})])
+def test_a_failed_release_leaves_the_server_optimizers_moments_as_they_were(
+        name, options, moments):
+    """The server optimizer steps (and moves its moments) before the release is found
+    to move nothing: the failed round restores them with the rest, so the next round
+    steps, and the checkpoint saves, as if the failed round had not been."""
+    from strategies import ServerOptimizer
+
+    optimizer = ServerOptimizer(name, [W], learning_rate=1e-30, **options)
+    strategy = PersonalizedFedAvg(shared_keys=[W], num_partitions=4, drift_keys=[W],
+                                  server_optimizer=optimizer,
+                                  privacy=Privacy(1.0, 1.0, steps=4, clip_on_server=True))
+    strategy.load_optimizer_arrays(moments)
+    strategy.configure_train(1, record({W: f32(1.0, -2.0, 0.0)}), ConfigRecord(),
+                             FakeGrid([1, 2, 3, 4]))
+    arrays, _ = strategy.aggregate_train(1, [reply({W: f32(1.1, -1.9, 0.1)}, node=n,
+                                                   **{"num-examples": 5})
+                                             for n in range(1, 5)])
+    assert arrays is None and strategy.report.failed
+    state = strategy.optimizer_arrays()
+    assert set(state) == set(moments)
+    for key, value in moments.items():
+        assert (state[key] == value).all()
+
+
 def buffer_probe(unused: bool):
     """A model of one's own: frozen random features (a buffer) and a linear head; with
     ``unused`` also a trainable layer in the body that the forward pass never uses."""

@@ -143,6 +143,26 @@ def test_a_checkpoint_without_tracked_references_is_refused():
                                  global_reference=strategy.state_arrays())
 
 
+@pytest.mark.parametrize("reference", ["client-centre", "server-centre", "auto"])
+def test_a_centre_rule_run_whose_rounds_all_failed_resumes(reference):
+    # Round 1 fails (no reply came): its checkpoint holds u_bar = 0 and no u_k, and a
+    # resume continues it as the uninterrupted run goes on.
+    strategy = server(reference, rule="median")
+    strategy.configure_train(1, record({W: f32(0.0, 0.0)}), ConfigRecord(),
+                             FakeGrid(range(1, CLIENTS + 1)))
+    assert strategy.aggregate_train(1, []) == (None, None) and strategy.report.failed
+    state = strategy.state_arrays()
+    assert set(state) == {W}
+    restored = server(reference, rule="median")
+    restored.load_state_dict(strategy.state_dict(), 1, global_reference=state)
+    np.testing.assert_array_equal(restored.global_reference[W], f32(0.0, 0.0))
+    theta = f32(0.3, -0.2)
+    for twin in (strategy, restored):
+        Federation().round(twin, 2, theta, range(CLIENTS))
+    np.testing.assert_array_equal(restored.global_reference[W], strategy.global_reference[W])
+    assert set(restored.client_references) == set(range(CLIENTS))
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="reference must be one of"):
         server("centre")
@@ -155,6 +175,17 @@ def test_bad_settings_are_refused():
                            dp_clipping_norm=1.0, local_steps=4))
     assert validate(RunConfig(fedspc=True, fedspc_reference="client-centre",
                               aggregation="median")).fedspc_reference == "client-centre"
+
+
+@pytest.mark.parametrize("reference", ["client-centre", "server-centre"])
+def test_a_centre_rule_under_the_weighted_mean_is_refused(reference):
+    # The centre counts every client's u_k alike: under "weighted" u_bar would not be
+    # the weighted mean of the u_k that theta_s's correction needs.
+    with pytest.raises(ConfigError, match="weighs every u_k alike"):
+        validate(RunConfig(fedspc=True, fedspc_reference=reference, aggregation="weighted"))
+    with pytest.raises(ValueError, match="needs 'increment'"):
+        server(reference, rule="weighted")
+    assert validate(RunConfig(fedspc=True, aggregation="weighted")).reference_rule == "increment"
 
 
 @pytest.mark.parametrize(("aggregation", "fedspc", "warned"), [

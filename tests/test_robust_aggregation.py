@@ -103,6 +103,23 @@ def test_a_robust_rule_holds_where_the_mean_moves(rule):
     assert arrays_of(arrays)[NBT] == 3
 
 
+@pytest.mark.parametrize("rule", ["krum", "multi-krum"])
+@pytest.mark.parametrize("shared", [{}, {NBT: np.array(3, dtype=np.int64)}])
+def test_krum_with_nothing_trainable_shared_aggregates_every_reply(rule, shared):
+    # Method "local" (nothing shared), or a split whose shared block holds buffers
+    # only: Krum has nothing to score, every reply ties and enters the aggregate.
+    strategy = PersonalizedFedAvg(shared_keys=list(shared), num_partitions=4, drift_keys=[],
+                                  aggregation=AggregationRule(rule, byzantine=0))
+    strategy.configure_train(1, record(shared), ConfigRecord(), FakeGrid([1, 2, 3, 4]))
+    replies = [reply({k: np.array(n, dtype=np.int64) for k in shared}, node=n,
+                     **{"num-examples": 5}) for n in range(1, 5)]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    assert arrays is not None and not strategy.report.failed
+    assert metrics["aggregated-client-ids"] == [0, 1, 2, 3]
+    assert arrays_of(arrays) == ({NBT: 2} if shared else {})  # rint(2.5): even
+    assert AggregationRule(rule).selected([{}, {}, {}], []) == [0, 1, 2]
+
+
 def test_fedspc_u_bar_follows_the_robust_rule():
     kwargs = dict(shared_keys=list(SHARED), num_partitions=5, corrected_keys=[W, B],
                   learning_rate=0.1)

@@ -72,6 +72,23 @@ def test_the_draw_is_a_function_of_seed_round_and_phase():
     assert len(sampler.draw(1, 0.01, "train")) == 1  # at least one client
 
 
+@pytest.mark.parametrize(("clients", "fraction", "count"), [
+    (100, 0.29, 29), (100, 0.57, 57), (100, 0.58, 58), (50, 0.58, 29),
+    (10, 0.7, 7), (1000, 0.009, 9), (10, 0.3, 3), (10, 0.35, 3), (3, 0.67, 2),
+    (10, 0.01, 1), (10, 1.0, 10)])
+def test_a_fraction_samples_the_floor_of_its_decimal_product(clients, fraction, count):
+    # 0.29 * 100 is 28.999999999999996 as a float: truncated, one client short.
+    for phase in ("train", "evaluate"):
+        assert len(PartitionSampler(clients, seed=1).draw(2, fraction, phase)) == count
+    assert sampling.sampled_count(clients, fraction) == count
+
+
+def test_the_plain_loop_samples_as_many_clients_as_the_server():
+    from fedspc_app.serial import _sample
+    rng = np.random.default_rng(0)
+    assert len(_sample(rng, 100, 0.29)) == 29 and len(_sample(rng, 50, 0.58)) == 29
+
+
 def test_the_same_partitions_are_sampled_whatever_the_node_ids():
     chosen = []
     for ids in ([11, 12, 13, 14, 15, 16], [906, 4, 77, 1000, 52, 8]):

@@ -689,6 +689,37 @@ def test_two_rounds_partial_participation_by_hand():
                                rtol=1e-5)
 
 
+@pytest.mark.parametrize("corrected", [[WK], [WK, B]], ids=["fedspc", "scaffold"])
+def test_weighted_u_bar_moves_by_the_count_times_the_weighted_mean_change_by_hand(
+        corrected):
+    """aggregation = "weighted": K = 2 clients of 10 and 30 images, eta = 0.1, E = 1.
+    u_bar moves by (count / K) times the changes' mean weighted as theta_s is, so it
+    stays the weighted mean of the u_k (SCAFFOLD: every shared parameter corrected)."""
+    server = FedSPC(shared_keys=[WK, B], num_partitions=2, corrected_keys=corrected,
+                    learning_rate=ETA, aggregation="weighted")
+    assert server.reference == "increment"
+    grid, theta = FakeGrid([1, 2]), {WK: f32(0.0), B: f32(0.0)}
+    own = {0: 0.0, 1: 0.0}  # each client's u_k, by hand
+    for server_round, (delta_a, delta_b, u_bar) in enumerate(
+            [(-0.1, 0.1, -0.5), (0.2, -0.1, 0.25)], start=1):
+        server.configure_train(server_round, record(theta), ConfigRecord(), grid)
+        previous = float(server.global_reference[WK][0])
+        replies = [reply({k: theta[k] + f32(delta) for k in theta}, node=node,
+                         **{"num-examples": images, "shared-steps": 1})
+                   for node, delta, images in ((1, delta_a, 10), (2, delta_b, 30))]
+        arrays, _ = server.aggregate_train(server_round, replies)
+        theta = arrays_of(arrays)
+        # Round 1: changes -0 - (-0.1)/0.1 = 1 and -1; (2/2)(10 * 1 - 30 * 1)/40 = -0.5.
+        # Round 2: changes 0.5 - 2 = -1.5 and 0.5 + 1 = 1.5; -0.5 + 30/40 = 0.25.
+        for pid, delta in ((0, delta_a), (1, delta_b)):
+            own[pid] += -previous - delta / ETA
+        assert (10 * own[0] + 30 * own[1]) / 40 == pytest.approx(u_bar)
+        for key in corrected:
+            np.testing.assert_allclose(server.global_reference[key], [u_bar], rtol=1e-6)
+    np.testing.assert_allclose(theta[WK], [(10 * -0.1 + 30 * 0.1 + 10 * 0.2 - 30 * 0.1) / 40],
+                               atol=1e-7)  # theta_s: the weighted mean, as before
+
+
 def test_k_counts_the_runs_clients_not_the_replies_nor_the_connected_nodes():
     # Prepare: K = 4 clients; the grid also lists a stale fifth node; only one reply
     server = fedspc(num_partitions=4)

@@ -587,6 +587,9 @@ def validate(config: RunConfig) -> RunConfig:
     _choice("precision", config.precision, PRECISIONS)
     _choice("fedspc-upload", config.fedspc_upload, REFERENCE_UPLOADS)
     _choice("fedspc-reference", config.fedspc_reference, REFERENCE_RULES)
+    if config.fedspc_reference in CENTRE_RULES and config.aggregation == "weighted":
+        raise ConfigError(f"run-config 'fedspc-reference' = {config.fedspc_reference!r} "
+                          "weighs every u_k alike: with 'weighted' set 'increment' or 'auto'")
     _choice("robust-norm-bound", config.robust_norm_bound, ("auto", *NORM_BOUNDS))
     _choice("fedbabu-finetune-parts", config.fedbabu_finetune_parts, FINETUNE_PARTS)
     _choice("held-out-parts", config.held_out_parts, HELD_OUT_PARTS)
