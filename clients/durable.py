@@ -22,6 +22,7 @@ per state-dict entry, named ``personal/<key>``, ``local-reference/<key>`` or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -34,7 +35,7 @@ import numpy as np
 
 from clients.state import BLOCKS, COMMITTED, LOCAL_REFERENCE, PENDING, ClientState
 from fedspc_app.core.errors import FedSPCError
-from fedspc_app.core.files import atomic_open, atomic_write, sync_folder
+from fedspc_app.core.files import atomic_open, atomic_write, file_lock, sync_folder
 
 STATE_DIR_KEY = "state-dir"
 FORMAT_VERSION = 2
@@ -131,6 +132,23 @@ class DurableState:
                                for key, value in block.items()})
         with atomic_open(self.path(slot)) as handle:
             np.savez(handle, **arrays)
+
+    def lock(self) -> contextlib.AbstractContextManager[None]:
+        """This partition's lock (a hidden file beside its state), held while its files
+        are read and replaced, so that two processes of one partition take turns: a
+        straggler still training after its round timed out, and the next round's."""
+        return file_lock(self.directory / f".partition-{self.partition_id}.lock")
+
+    def stage(self, state: ClientState) -> bool:
+        """Write ``state`` as pending, unless the pending file holds a newer round: a
+        straggler's late training must not replace the next round's pending state.
+        Returns whether it was written."""
+        with self.lock():
+            meta = self._meta(PENDING)
+            if meta is not None and int(meta.get("round", 0)) > state.round:
+                return False
+            self.write(state, PENDING)
+            return True
 
     def commit(self) -> None:
         """Make the pending state the committed one (an atomic rename)."""

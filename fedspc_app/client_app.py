@@ -283,10 +283,11 @@ class ClientSetup:
                 f"the saved state in {self.store.directory} is from round {state.round}: "
                 "the client state was lost or replaced")
         if self.keeps_state:
-            log(WARNING, "Client state of %s was lost (it lived only in memory): this "
-                "client starts again from the common initial personalized parameters and "
-                "u_k = 0, while the server last aggregated its reply in round %d", where,
-                accepted)
+            log(WARNING, "Client state of %s was lost (it lived only in memory: a restart "
+                "loses it, a straggler's copy finishing last replaces it): this client "
+                "continues from the state of round %d it holds (round 0: the common initial "
+                "personalized parameters and u_k = 0), while the server last aggregated its "
+                "reply in round %d", where, state.round, accepted)
         return ledger, replace(state, round=accepted)
 
     def job(self, message: Message, state: ClientState) -> ClientJob:
@@ -348,7 +349,10 @@ def train(message: Message, context: Context) -> Message:
     job = setup.job(message, state)
     working = time.perf_counter()
     outcome = train_client(job, global_reference=global_reference)
-    ledger.stage(outcome.state)
+    if not ledger.stage(outcome.state):
+        log(WARNING, "Partition %d finished training round %d after a later round had "
+            "already trained (its reply came too late): the later round's state is "
+            "kept, this round's is not", setup.partition_id, setup.server_round)
     worked = time.perf_counter()
     metrics = {**outcome.metrics, PARTITION_ID: setup.partition_id,
                **timings(started, working, worked), **first_message_times(started_at)}

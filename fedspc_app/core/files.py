@@ -1,5 +1,6 @@
-"""Atomic file writes (readers see the old file or the new one, never half of one)
-and folder locks (one process at a time writes a run's or a grid's folder)."""
+"""Atomic file writes (readers see the old file or the new one, never half of one),
+folder locks (one process at a time writes a run's or a grid's folder) and file locks
+(processes take turns at a short read-compare-write)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,22 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
     """Write ``data`` (text is UTF-8 encoded) to ``path`` atomically."""
     with atomic_open(path) as handle:
         handle.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``path`` (created if missing) while the block
+    runs, waiting while another process holds it: for a short read-compare-write that
+    two processes must not interleave. The kernel's ``flock``, released however the
+    holder ends; the file stays."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def lock_path(folder: str | os.PathLike[str]) -> Path:
