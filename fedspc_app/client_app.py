@@ -6,7 +6,7 @@ import difflib
 import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from logging import INFO, WARNING
 
@@ -300,6 +300,32 @@ class ClientSetup:
                          partition_id=self.partition_id)
 
 
+def reference_fits(reference: ArrayDict, shapes: Mapping[str, tuple[int, ...]]) -> bool:
+    """Whether a reference (u_bar, or a u_k) has exactly the keys of ``shapes``, each
+    array of its shape, float32 and finite: numpy would broadcast a wrong shape into
+    the correction silently, and a non-finite value would spread to every u_k."""
+    return set(reference) == set(shapes) and all(
+        np.shape(reference[key]) == tuple(shape)
+        and np.asarray(reference[key]).dtype == np.float32
+        and bool(np.all(np.isfinite(reference[key]))) for key, shape in shapes.items())
+
+
+def global_reference_of(message: Message, setup: ClientSetup) -> ArrayDict | None:
+    """u_bar as the message carries it (``None``: none sent). It must have exactly the
+    corrected keys (the shared trainable parameters), each of its parameter's shape,
+    float32 and finite."""
+    if GLOBAL_REFERENCE not in message.content.array_records:
+        return None
+    reference = from_record(message.content.array_records[GLOBAL_REFERENCE])
+    model_state = setup.model.state_dict()
+    shapes = {key: tuple(model_state[key].shape) for key in setup.split.corrected}
+    if not reference_fits(reference, shapes):
+        raise ValueError("the server sent a global reference u_bar that does not match "
+                         "the corrected parameters' keys and shapes, or is not float32 "
+                         "and finite")
+    return reference
+
+
 def server_kept_reference(message: Message,
                           global_reference: ArrayDict) -> ArrayDict | None:
     """The u_k the server keeps for this client (``fedspc-reference = "server-centre"``),
@@ -308,9 +334,8 @@ def server_kept_reference(message: Message,
     if CLIENT_REFERENCE_RECORD not in message.content.array_records:
         return None
     kept = from_record(message.content.array_records[CLIENT_REFERENCE_RECORD])
-    if set(kept) != set(global_reference) or any(
-            np.shape(kept[key]) != np.shape(value) or np.asarray(kept[key]).dtype != np.float32
-            or not np.all(np.isfinite(kept[key])) for key, value in global_reference.items()):
+    if not reference_fits(kept, {key: np.shape(value)
+                                 for key, value in global_reference.items()}):
         raise ValueError("the server sent a client reference that does not match u_bar's "
                          "keys, shapes and float32 dtype, or is not finite")
     return kept
@@ -340,9 +365,8 @@ def train(message: Message, context: Context) -> Message:
                           f"(held-out-clients = {setup.config.held_out_clients}): it never "
                           "trains")
     ledger, state = setup.load_state(message, context)
-    global_reference = None
-    if GLOBAL_REFERENCE in message.content.array_records:
-        global_reference = from_record(message.content.array_records[GLOBAL_REFERENCE])
+    global_reference = global_reference_of(message, setup)
+    if global_reference is not None:
         kept = server_kept_reference(message, global_reference)
         if kept is not None:  # fedspc-reference = "server-centre": the server's u_k
             state = replace(state, local_reference=kept)
