@@ -29,6 +29,7 @@ from inprocess import InProcessGrid, run_server
 from clients.durable import (
     DurableState,
     DurableStateError,
+    keep_final_personal,
     simulation_folder,
     write_view_marker,
 )
@@ -113,6 +114,31 @@ def test_commit_renames_pending_over_committed_and_discard_drops_it(tmp_path):
     store.discard()
     assert_same_state(store.read(), sample_state(2))
     assert sorted(os.listdir(tmp_path)) == ["partition-0.npz"]
+
+
+def test_client_state_is_for_its_owner_only(tmp_path):
+    """Personalized models and u_k never leave the node: under the usual umask the
+    files are 0600 and the run's folder (a deployment's, a simulation's) 0700."""
+    previous = os.umask(0o022)
+    try:
+        store = DurableState.for_node({"state-dir": str(tmp_path / "state")}, tmp_path,
+                                      "run", 0, deployment=True, checkpoint=True)
+        store.stage(sample_state(2))
+        store.write(sample_state(1))
+        simulation = simulation_folder(tmp_path / "out", "run")
+        write_view_marker(simulation, "run", "t")
+        DurableState(simulation, "run", 0, "t").write(sample_state(1))
+        keep_final_personal(simulation)
+    finally:
+        os.umask(previous)
+
+    def mode(path):
+        return oct(path.stat().st_mode & 0o777)
+    assert mode(store.directory) == mode(simulation) == oct(0o700)
+    assert {mode(path) for path in (store.path(), store.path(PENDING),
+                                    store.directory / ".partition-0.lock",
+                                    simulation / "partition-0.npz")} == {oct(0o600)}
+    assert mode(tmp_path / "state") == oct(0o755)  # the state-dir is the node's own
 
 
 def test_ditto_personal_model_round_trips(tmp_path):
