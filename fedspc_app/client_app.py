@@ -30,7 +30,7 @@ from clients.state import (
 )
 from fedspc_app import IMPORT_STARTED_AT
 from fedspc_app.core import startup
-from fedspc_app.core.config import RunConfig, parse_run_config
+from fedspc_app.core.config import RunConfig, check_run_name, parse_run_config
 from fedspc_app.core.errors import ConfigError, FedSPCError
 from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.protocol import (
@@ -162,7 +162,11 @@ def node_run_config(context: Context, message: Message | None = None) -> RunConf
     if data_dir:
         config = config.replace(data_dir=data_dir)
     run_name = message_config(message).get(RUN_NAME) if message is not None else None
-    return config.replace(run_name=str(run_name)) if run_name else config
+    if not run_name:
+        return config
+    # It names the folder of this client's state (state-dir): checked as the run-config's.
+    check_run_name(str(run_name), "the run name the server sent")
+    return config.replace(run_name=str(run_name))
 
 
 def node_partition(message: Message, context: Context) -> tuple[int, int]:

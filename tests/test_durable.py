@@ -381,6 +381,22 @@ def test_memory_state_behind_the_server_says_it_continues_from_it(flwr_log):
                and "in round 4" in m for m in warnings)
 
 
+@pytest.mark.parametrize("run_name", ["../../escape", "a/b", ".", ".."])
+def test_a_run_name_that_is_not_a_plain_name_is_refused(tmp_path, run_name):
+    """The run name a message carries names the folder of the client's state under
+    state-dir: it cannot point outside it."""
+    grid = InProcessGrid(client_app.app, 2, RUN_CONFIG)
+    grid.contexts[1].node_config["state-dir"] = str(tmp_path / "a" / "b" / "state")
+    shared, u_bar, _ = round_inputs()
+    message = train_message(1, shared, u_bar, node_id=1)
+    message.content.config_records["config"]["run-name"] = run_name
+    reply = grid.deliver(message)
+    assert reply.has_error()
+    assert f"the run name the server sent must be a plain name, got {run_name!r}" in (
+        reply.error.reason)
+    assert not list(tmp_path.rglob("partition-*"))
+
+
 def test_no_memory_only_warning_in_simulation(tmp_path, flwr_log):
     run_config = {**RUN_CONFIG, "output-dir": str(tmp_path)}
     grid = InProcessGrid(client_app.app, 2, run_config)

@@ -551,11 +551,17 @@ def validate(config: RunConfig) -> RunConfig:
             f"method '{config.method}' already corrects every shared parameter; "
             "set fedspc = false (FedSPC on fedavg with everything shared is SCAFFOLD)"
         )
-    if "/" in config.run_name or config.run_name in (".", ".."):
-        raise ConfigError(f"run-config 'run-name' must be a plain name, got {config.run_name!r}")
+    check_run_name(config.run_name)
     if not config.output_dir:
         raise ConfigError("run-config 'output-dir' must not be empty")
     return config
+
+
+def check_run_name(run_name: str, what: str = "run-config 'run-name'") -> None:
+    """A run name is a folder's name (the run's, its clients' state): a plain one, so
+    that it cannot point outside the folder it is joined to."""
+    if "/" in run_name or run_name in (".", ".."):
+        raise ConfigError(f"{what} must be a plain name, got {run_name!r}")
 
 
 def _check_width(model: str, width: float) -> None:
