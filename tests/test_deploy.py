@@ -37,6 +37,7 @@ from clients.durable import DurableState
 from deploy.connection import write_connection
 from deploy.loopback import CONNECTED, LoopbackDeployment
 from deploy.pki import create_certificates, create_node_key
+from deploy.pki import main as pki_main
 from deploy.processes import wait_healthy
 from fedspc_app import client_app, server_app
 from fedspc_app.client_app import node_run_config
@@ -236,6 +237,25 @@ def test_certificates_verify_against_the_ca_with_the_given_names(tmp_path):
     key = create_node_key(tmp_path, "node-0")
     assert key.public_key.read_text().startswith("ecdsa-sha2-nistp384 ")
     assert key.private_key.read_text().startswith("-----BEGIN OPENSSH PRIVATE KEY-----")
+
+
+@pytest.mark.parametrize("host", ["192.168.1.10:8000", "https://link.example.org",
+                                  "link.example.org/path", "[::1]:9092", "-bad.example",
+                                  "under_score.example"])
+def test_certificates_refuse_a_host_with_a_port_or_scheme(tmp_path, host, capsys):
+    """Such a name never matches the one a client connects to: TLS would fail later."""
+    with pytest.raises(ValueError, match="without a port or scheme"):
+        create_certificates(tmp_path / "api", [host])
+    with pytest.raises(SystemExit) as stopped:
+        pki_main(["certs", "--out", str(tmp_path / "cli"), f"--host={host}"])
+    assert stopped.value.code == 2 and "without a port or scheme" in capsys.readouterr().err
+    assert not (tmp_path / "api").exists() and not (tmp_path / "cli").exists()
+
+
+def test_certificates_take_the_hosts_the_deployment_guide_gives(tmp_path):
+    certs = create_certificates(tmp_path, ["192.168.1.10", "server.lan", "[fe80::1]",
+                                           "*.example.org", "xn--bcher-kva.example"])
+    assert certs.server_cert.is_file()
 
 
 # ========================================================================== scripts
