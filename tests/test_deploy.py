@@ -310,6 +310,19 @@ def test_start_supernode_script_builds_the_node_config(tmp_path):
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--partition-id", "2", "--num-partitions", "2"], "smaller than --num-partitions"),
+    # Leading zeros: bash would read 010 as octal and 08 as an error.
+    (["--partition-id", "010", "--num-partitions", "10", "--insecure"],
+     "--partition-id must be a decimal integer from 0 to 999999999 without leading zeros"),
+    (["--partition-id", "08", "--num-partitions", "10", "--insecure"],
+     "--partition-id must be a decimal integer"),
+    (["--partition-id", "1", "--num-partitions", "010", "--insecure"],
+     "--num-partitions must be a decimal integer"),
+    (["--partition-id", "0", "--num-partitions", "0", "--insecure"],
+     "--num-partitions must be a positive integer"),
+    (["--partition-id", "0", "--num-partitions", "1", "--insecure", "--port", "09094"],
+     "--port must be a decimal integer"),
+    (["--partition-id", "0", "--num-partitions", "1", "--insecure", "--port", "70000"],
+     "--port must be in 1..65535"),
     (["--partition-id", "0", "--num-partitions", "2", "--insecure", "--key", "k"],
      "node authentication is refused over --insecure"),
     (["--partition-id", "0", "--num-partitions", "2"], "--ca FILE is required"),
@@ -341,6 +354,12 @@ def test_start_superlink_script_enables_tls_and_node_auth(tmp_path):
     assert "--enable-supernode-auth" not in no_auth and "--ssl-certfile" in no_auth
     missing = script("start-superlink.sh", "--certs", str(tmp_path), env=env, cwd=tmp_path)
     assert missing.returncode == 2 and "python -m deploy.pki certs" in missing.stderr
+    for port in ("08000", "0", "65536", "80a"):
+        refused = script("start-superlink.sh", "--insecure", "--port", port, env=env,
+                         cwd=tmp_path)
+        assert refused.returncode == 2 and not refused.stdout
+        assert f"--port must be a decimal integer in 1..65535 without leading zeros, got " \
+            f"'{port}'" in " ".join(refused.stderr.split())
 
 
 def test_submit_merges_a_preset_and_overrides_and_requires_num_clients(tmp_path):
