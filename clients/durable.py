@@ -22,6 +22,7 @@ per state-dict entry, named ``personal/<key>``, ``local-reference/<key>`` or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -34,12 +35,20 @@ import numpy as np
 
 from clients.state import BLOCKS, COMMITTED, LOCAL_REFERENCE, PENDING, ClientState
 from fedspc_app.core.errors import FedSPCError
-from fedspc_app.core.files import atomic_open, atomic_write, sync_folder
+from fedspc_app.core.files import atomic_open, atomic_write, file_lock, sync_folder
 
 STATE_DIR_KEY = "state-dir"
 FORMAT_VERSION = 2
 SIMULATION_FOLDER = "client-state"
 VIEW_MARKER = "run.json"  # written by the server of a simulation, read by its clients
+PRIVATE_FILE = 0o600  # a client's state files: personalized models, u_k
+PRIVATE_FOLDER = 0o700  # the folder of a run's client state
+
+
+def private_folder(folder: Path) -> None:
+    """Create ``folder`` if missing, for its owner only (missing parents get the
+    usual mode): it holds the clients' personalized models, which never leave them."""
+    folder.mkdir(mode=PRIVATE_FOLDER, parents=True, exist_ok=True)
 
 
 def simulation_folder(run_dir: Path, run_name: str, client_state_dir: str = "") -> Path:
@@ -52,7 +61,7 @@ def simulation_folder(run_dir: Path, run_name: str, client_state_dir: str = "") 
 
 def write_view_marker(folder: Path, run_name: str, run_token: str) -> None:
     """The server's mark on a simulation's client-state folder (see :meth:`check_view`)."""
-    folder.mkdir(parents=True, exist_ok=True)
+    private_folder(folder)
     with atomic_open(folder / VIEW_MARKER) as handle:
         handle.write(json.dumps({"run-name": run_name, "run-token": run_token}).encode())
 
@@ -129,8 +138,28 @@ class DurableState:
             if block is not None:
                 arrays.update({f"{prefix}/{key}": np.asarray(value)
                                for key, value in block.items()})
-        with atomic_open(self.path(slot)) as handle:
+        private_folder(self.directory)
+        with atomic_open(self.path(slot), PRIVATE_FILE) as handle:
             np.savez(handle, **arrays)
+
+    def lock(self) -> contextlib.AbstractContextManager[None]:
+        """This partition's lock (a hidden file beside its state), held while its files
+        are read and replaced, so that two processes of one partition take turns: a
+        straggler still training after its round timed out, and the next round's."""
+        private_folder(self.directory)
+        return file_lock(self.directory / f".partition-{self.partition_id}.lock",
+                         PRIVATE_FILE)
+
+    def stage(self, state: ClientState) -> bool:
+        """Write ``state`` as pending, unless the pending file holds a newer round: a
+        straggler's late training must not replace the next round's pending state.
+        Returns whether it was written."""
+        with self.lock():
+            meta = self._meta(PENDING)
+            if meta is not None and int(meta.get("round", 0)) > state.round:
+                return False
+            self.write(state, PENDING)
+            return True
 
     def commit(self) -> None:
         """Make the pending state the committed one (an atomic rename)."""
@@ -236,7 +265,7 @@ def keep_final_personal(folder: Path, *, record_size: bool = True) -> int:
         with np.load(path, allow_pickle=False) as data:
             arrays = {name: data[name] for name in data.files
                       if not name.startswith(LOCAL_REFERENCE + "/")}
-        with atomic_open(path) as handle:
+        with atomic_open(path, PRIVATE_FILE) as handle:
             np.savez(handle, **arrays)
         kept += path.stat().st_size
     atomic_write(folder / FINAL_MARKER, json.dumps({

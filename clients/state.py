@@ -20,6 +20,7 @@ process (and keep memory flat with many clients).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -104,6 +105,10 @@ class StateStore(Protocol):
 
     def write(self, state: ClientState, slot: str = COMMITTED) -> None: ...
 
+    def stage(self, state: ClientState) -> bool: ...
+
+    def lock(self) -> AbstractContextManager[None]: ...
+
     def commit(self) -> None: ...
 
     def discard(self) -> None: ...
@@ -140,12 +145,18 @@ class ClientLedger:
     def committed(self) -> ClientState:
         return self.read(COMMITTED) or ClientState()
 
-    def stage(self, state: ClientState) -> None:
-        """Keep ``state`` as pending until the server says whether it accepted it."""
+    def stage(self, state: ClientState) -> bool:
+        """Keep ``state`` as pending until the server says whether it accepted it, unless
+        the pending state is of a newer round (this is a straggler's training, finished
+        after its round timed out and the next round staged its own). Returns whether
+        ``state`` was kept."""
         if self.store is not None:
-            self.store.write(state, PENDING)
-        else:
-            state.to_records(self.records, PENDING)
+            return self.store.stage(state)  # (compares and writes under its lock)
+        pending = ClientState.from_records(self.records, PENDING)
+        if pending is not None and pending.round > state.round:
+            return False
+        state.to_records(self.records, PENDING)
+        return True
 
     def commit(self) -> None:
         if self.store is not None:
@@ -167,12 +178,15 @@ class ClientLedger:
         this client now stands on (a pending state the server accepted but has not yet
         checkpointed is used, not committed)."""
         accepted = decisions.accepted_round(partition_id)
-        pending = self.read(PENDING)
-        if pending is not None:
-            if pending.round != accepted:
-                self.discard()  # dropped, failed, or a stale attempt of a redone round
-            elif pending.round <= decisions.durable_through:
-                self.commit()
-            else:
-                return pending
-        return self.committed()
+        # Under the store's lock: a straggler's stage cannot slip in between the read
+        # of the pending state and its commit.
+        with self.store.lock() if self.store is not None else nullcontext():
+            pending = self.read(PENDING)
+            if pending is not None:
+                if pending.round != accepted:
+                    self.discard()  # dropped, failed, or a stale attempt of a redone round
+                elif pending.round <= decisions.durable_through:
+                    self.commit()
+                else:
+                    return pending
+            return self.committed()

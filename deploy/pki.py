@@ -26,6 +26,7 @@ import argparse
 import datetime as dt
 import ipaddress
 import os
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+DNS_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 CURVE = ec.SECP384R1  # P-384: what Flower's docs use for node keys; fine for TLS too
 
 
@@ -69,7 +71,14 @@ def _write(path: Path, data: bytes, *, private: bool) -> None:
 
 
 def subject_alt_names(hosts: Iterable[str]) -> list[x509.GeneralName]:
-    """SAN entries for the loopback names plus ``hosts`` (IPs or DNS names), deduplicated."""
+    """SAN entries for the loopback names plus ``hosts`` (IPs or DNS names), deduplicated.
+
+    Raises
+    ------
+    ValueError
+        For a host that is neither (``HOST:PORT``, a URL): its certificate would never
+        match the name a client connects to, and TLS would fail later and obscurely.
+    """
     names: list[x509.GeneralName] = []
     seen: set[str] = set()
     for host in (*LOOPBACK_NAMES, *hosts):
@@ -80,8 +89,22 @@ def subject_alt_names(hosts: Iterable[str]) -> list[x509.GeneralName]:
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
+            if not is_dns_name(host):
+                raise ValueError(
+                    f"--host {host!r} is neither an IP address nor a DNS name: give the "
+                    "host alone, without a port or scheme (e.g. 192.168.1.10 or "
+                    "link.example.org, not 192.168.1.10:9092 or https://link.example.org)"
+                ) from None
             names.append(x509.DNSName(host))
     return names
+
+
+def is_dns_name(host: str) -> bool:
+    """Letters, digits and hyphens in dot-separated labels of 1-63 characters, none
+    starting or ending with a hyphen; 253 characters at most; a leading ``*.`` (a
+    wildcard) allowed."""
+    labels = host.removeprefix("*.").split(".")
+    return len(host) <= 253 and all(DNS_LABEL.fullmatch(label) for label in labels)
 
 
 def _name(common_name: str) -> x509.Name:
@@ -209,13 +232,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     certs.add_argument("--out", required=True, help="folder for ca.crt, ca.key, server.pem, "
                        "server.key")
     certs.add_argument("--host", action="append", default=[],
-                       help="a name or IP under which the SuperLink is reached (repeatable)")
+                       help="a name or IP under which the SuperLink is reached, without "
+                       "port or scheme (repeatable)")
     certs.add_argument("--days", type=int, default=365)
     keys = commands.add_parser("node-keys", help="SuperNode authentication key pairs")
     keys.add_argument("--out", required=True, help="folder for <name> and <name>.pub")
     keys.add_argument("names", nargs="+", help="one name per SuperNode, e.g. node-0 node-1")
     args = parser.parse_args(argv)
     if args.command == "certs":
+        try:
+            subject_alt_names(args.host)
+        except ValueError as error:
+            certs.error(str(error))
         paths = create_certificates(args.out, args.host, days=args.days)
         names = ", ".join(str(getattr(n, "value", n)) for n in subject_alt_names(args.host))
         print(f"CA certificate:     {paths.ca_cert}  (copy to every SuperNode and CLI machine)")

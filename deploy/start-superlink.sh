@@ -36,6 +36,12 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 
+# Decimal, without leading zeros (bash would read 010 as octal).
+if [[ ! "$port" =~ ^[1-9][0-9]{0,4}$ || "$port" -gt 65535 ]]; then
+    echo "start-superlink.sh: --port must be a decimal integer in 1..65535 without" \
+         "leading zeros, got '$port'" >&2
+    exit 2
+fi
 args=(--host "$host" --port "$port" --disable-runtime-dependency-installation)
 if [[ $insecure -eq 1 ]]; then
     args+=(--insecure)

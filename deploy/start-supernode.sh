@@ -51,9 +51,16 @@ done
 
 fail() { echo "start-supernode.sh: $*" >&2; exit 2; }
 [[ -n "$superlink" ]] || fail "--superlink HOST:PORT is required"
-[[ "$pid" =~ ^[0-9]+$ ]] || fail "--partition-id must be a non-negative integer"
-[[ "$num" =~ ^[0-9]+$ && "$num" -gt 0 ]] || fail "--num-partitions must be a positive integer"
+# Decimal, without leading zeros: bash reads 010 as octal (8) and 08 as an error, and
+# node-config (TOML) refuses a leading zero.
+decimal() { [[ "$2" =~ ^(0|[1-9][0-9]{0,8})$ ]] ||
+    fail "$1 must be a decimal integer from 0 to 999999999 without leading zeros, got '$2'"; }
+decimal --partition-id "$pid"
+decimal --num-partitions "$num"
+decimal --port "$port"
+[[ "$num" -gt 0 ]] || fail "--num-partitions must be a positive integer"
 [[ "$pid" -lt "$num" ]] || fail "--partition-id must be smaller than --num-partitions"
+[[ "$port" -ge 1 && "$port" -le 65535 ]] || fail "--port must be in 1..65535, got $port"
 
 # Node-config values are TOML: paths go in single quotes (literal strings), made absolute
 # because ClientApp processes resolve relative paths against their own working directory.

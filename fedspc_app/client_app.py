@@ -6,7 +6,7 @@ import difflib
 import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from logging import INFO, WARNING
 
@@ -30,7 +30,7 @@ from clients.state import (
 )
 from fedspc_app import IMPORT_STARTED_AT
 from fedspc_app.core import startup
-from fedspc_app.core.config import RunConfig, parse_run_config
+from fedspc_app.core.config import RunConfig, check_run_name, parse_run_config
 from fedspc_app.core.errors import ConfigError, FedSPCError
 from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.protocol import (
@@ -162,7 +162,11 @@ def node_run_config(context: Context, message: Message | None = None) -> RunConf
     if data_dir:
         config = config.replace(data_dir=data_dir)
     run_name = message_config(message).get(RUN_NAME) if message is not None else None
-    return config.replace(run_name=str(run_name)) if run_name else config
+    if not run_name:
+        return config
+    # It names the folder of this client's state (state-dir): checked as the run-config's.
+    check_run_name(str(run_name), "the run name the server sent")
+    return config.replace(run_name=str(run_name))
 
 
 def node_partition(message: Message, context: Context) -> tuple[int, int]:
@@ -283,10 +287,11 @@ class ClientSetup:
                 f"the saved state in {self.store.directory} is from round {state.round}: "
                 "the client state was lost or replaced")
         if self.keeps_state:
-            log(WARNING, "Client state of %s was lost (it lived only in memory): this "
-                "client starts again from the common initial personalized parameters and "
-                "u_k = 0, while the server last aggregated its reply in round %d", where,
-                accepted)
+            log(WARNING, "Client state of %s was lost (it lived only in memory: a restart "
+                "loses it, a straggler's copy finishing last replaces it): this client "
+                "continues from the state of round %d it holds (round 0: the common initial "
+                "personalized parameters and u_k = 0), while the server last aggregated its "
+                "reply in round %d", where, state.round, accepted)
         return ledger, replace(state, round=accepted)
 
     def job(self, message: Message, state: ClientState) -> ClientJob:
@@ -299,6 +304,32 @@ class ClientSetup:
                          partition_id=self.partition_id)
 
 
+def reference_fits(reference: ArrayDict, shapes: Mapping[str, tuple[int, ...]]) -> bool:
+    """Whether a reference (u_bar, or a u_k) has exactly the keys of ``shapes``, each
+    array of its shape, float32 and finite: numpy would broadcast a wrong shape into
+    the correction silently, and a non-finite value would spread to every u_k."""
+    return set(reference) == set(shapes) and all(
+        np.shape(reference[key]) == tuple(shape)
+        and np.asarray(reference[key]).dtype == np.float32
+        and bool(np.all(np.isfinite(reference[key]))) for key, shape in shapes.items())
+
+
+def global_reference_of(message: Message, setup: ClientSetup) -> ArrayDict | None:
+    """u_bar as the message carries it (``None``: none sent). It must have exactly the
+    corrected keys (the shared trainable parameters), each of its parameter's shape,
+    float32 and finite."""
+    if GLOBAL_REFERENCE not in message.content.array_records:
+        return None
+    reference = from_record(message.content.array_records[GLOBAL_REFERENCE])
+    model_state = setup.model.state_dict()
+    shapes = {key: tuple(model_state[key].shape) for key in setup.split.corrected}
+    if not reference_fits(reference, shapes):
+        raise ValueError("the server sent a global reference u_bar that does not match "
+                         "the corrected parameters' keys and shapes, or is not float32 "
+                         "and finite")
+    return reference
+
+
 def server_kept_reference(message: Message,
                           global_reference: ArrayDict) -> ArrayDict | None:
     """The u_k the server keeps for this client (``fedspc-reference = "server-centre"``),
@@ -307,9 +338,8 @@ def server_kept_reference(message: Message,
     if CLIENT_REFERENCE_RECORD not in message.content.array_records:
         return None
     kept = from_record(message.content.array_records[CLIENT_REFERENCE_RECORD])
-    if set(kept) != set(global_reference) or any(
-            np.shape(kept[key]) != np.shape(value) or np.asarray(kept[key]).dtype != np.float32
-            or not np.all(np.isfinite(kept[key])) for key, value in global_reference.items()):
+    if not reference_fits(kept, {key: np.shape(value)
+                                 for key, value in global_reference.items()}):
         raise ValueError("the server sent a client reference that does not match u_bar's "
                          "keys, shapes and float32 dtype, or is not finite")
     return kept
@@ -339,16 +369,18 @@ def train(message: Message, context: Context) -> Message:
                           f"(held-out-clients = {setup.config.held_out_clients}): it never "
                           "trains")
     ledger, state = setup.load_state(message, context)
-    global_reference = None
-    if GLOBAL_REFERENCE in message.content.array_records:
-        global_reference = from_record(message.content.array_records[GLOBAL_REFERENCE])
+    global_reference = global_reference_of(message, setup)
+    if global_reference is not None:
         kept = server_kept_reference(message, global_reference)
         if kept is not None:  # fedspc-reference = "server-centre": the server's u_k
             state = replace(state, local_reference=kept)
     job = setup.job(message, state)
     working = time.perf_counter()
     outcome = train_client(job, global_reference=global_reference)
-    ledger.stage(outcome.state)
+    if not ledger.stage(outcome.state):
+        log(WARNING, "Partition %d finished training round %d after a later round had "
+            "already trained (its reply came too late): the later round's state is "
+            "kept, this round's is not", setup.partition_id, setup.server_round)
     worked = time.perf_counter()
     metrics = {**outcome.metrics, PARTITION_ID: setup.partition_id,
                **timings(started, working, worked), **first_message_times(started_at)}

@@ -10,9 +10,12 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
 from flwr.serverapp.strategy.multikrum import select_multikrum
+from inprocess import InProcessGrid
+from test_durable import RUN_CONFIG, round_inputs, train_message
 from test_reference_rule import run, server
 from test_strategies import FakeGrid, arrays_of, f32, record, reply
 
+from fedspc_app import client_app
 from fedspc_app.client_app import server_kept_reference
 from fedspc_app.core.config import RunConfig, resolved_settings, validate
 from fedspc_app.core.deferred import Deferred
@@ -356,3 +359,21 @@ def test_a_client_trains_with_the_u_k_the_server_sent_and_checks_it():
                 {**kept, "w": f32(1.0, np.nan)}):  # not finite
         with pytest.raises(ValueError, match="client reference"):
             server_kept_reference(message(bad), u_bar)
+
+
+def test_a_client_refuses_a_u_bar_that_does_not_fit_its_corrected_parameters():
+    """u_bar must have exactly the corrected keys, their shapes, float32 and finite
+    values: a shape numpy can broadcast ((1,) for a matrix) would otherwise train."""
+    shared, u_bar, split = round_inputs()
+    key = split.corrected[0]
+    grid = InProcessGrid(client_app.app, 2, RUN_CONFIG)
+    assert not grid.deliver(train_message(1, shared, u_bar, node_id=1)).has_error()
+    others = {k: v for k, v in u_bar.items() if k != key}
+    for bad in ({**u_bar, key: np.zeros(1, np.float32)},  # broadcasts to the parameter
+                others,  # a key missing
+                {**u_bar, "extra": f32(0.0)},  # one more
+                {**u_bar, key: u_bar[key].astype(np.float64)},  # float64
+                {**u_bar, key: np.full_like(u_bar[key], np.nan)}):  # not finite
+        reply = grid.deliver(train_message(2, shared, bad, node_id=1))
+        assert reply.has_error() and "global reference u_bar" in reply.error.reason
+

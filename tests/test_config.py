@@ -329,6 +329,22 @@ def test_scaffold_without_fedspc_is_fine(fedspc):
         validate(config.replace(fedspc=True))
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"method": "fedrep", "fedspc": True}, r"with FedSPC \(fedspc = true\)"),
+    ({"method": "fedavg", "fedspc": True}, r"with FedSPC \(fedspc = true\)"),
+    ({"method": "scaffold"}, "with method 'scaffold' \\(its control variates\\)"),
+])
+def test_momentum_with_control_variates_is_refused(overrides, message):
+    """Algorithm 1's u_k update assumes plain SGD steps: with momentum u_k diverges."""
+    with pytest.raises(ConfigError, match=message) as error:
+        parse_run_config({**overrides, "momentum": 0.9})
+    assert "set momentum = 0" in str(error.value)
+    assert parse_run_config(overrides).momentum == 0.0
+    # momentum stays open to the methods without control variates.
+    assert parse_run_config({"method": overrides["method"].replace("scaffold", "fedavg"),
+                             "momentum": 0.9}).momentum == 0.9
+
+
 @pytest.mark.parametrize("method", sorted(m for m in METHODS
                                           if m not in ("scaffold", "local")))
 def test_every_other_method_accepts_fedspc(method):

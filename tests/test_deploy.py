@@ -37,6 +37,7 @@ from clients.durable import DurableState
 from deploy.connection import write_connection
 from deploy.loopback import CONNECTED, LoopbackDeployment
 from deploy.pki import create_certificates, create_node_key
+from deploy.pki import main as pki_main
 from deploy.processes import wait_healthy
 from fedspc_app import client_app, server_app
 from fedspc_app.client_app import node_run_config
@@ -238,6 +239,25 @@ def test_certificates_verify_against_the_ca_with_the_given_names(tmp_path):
     assert key.private_key.read_text().startswith("-----BEGIN OPENSSH PRIVATE KEY-----")
 
 
+@pytest.mark.parametrize("host", ["192.168.1.10:8000", "https://link.example.org",
+                                  "link.example.org/path", "[::1]:9092", "-bad.example",
+                                  "under_score.example"])
+def test_certificates_refuse_a_host_with_a_port_or_scheme(tmp_path, host, capsys):
+    """Such a name never matches the one a client connects to: TLS would fail later."""
+    with pytest.raises(ValueError, match="without a port or scheme"):
+        create_certificates(tmp_path / "api", [host])
+    with pytest.raises(SystemExit) as stopped:
+        pki_main(["certs", "--out", str(tmp_path / "cli"), f"--host={host}"])
+    assert stopped.value.code == 2 and "without a port or scheme" in capsys.readouterr().err
+    assert not (tmp_path / "api").exists() and not (tmp_path / "cli").exists()
+
+
+def test_certificates_take_the_hosts_the_deployment_guide_gives(tmp_path):
+    certs = create_certificates(tmp_path, ["192.168.1.10", "server.lan", "[fe80::1]",
+                                           "*.example.org", "xn--bcher-kva.example"])
+    assert certs.server_cert.is_file()
+
+
 # ========================================================================== scripts
 def fake_flower(tmp_path: Path, name: str) -> dict[str, str]:
     """An environment whose ``name`` prints its arguments, one per line, instead of starting."""
@@ -290,6 +310,19 @@ def test_start_supernode_script_builds_the_node_config(tmp_path):
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--partition-id", "2", "--num-partitions", "2"], "smaller than --num-partitions"),
+    # Leading zeros: bash would read 010 as octal and 08 as an error.
+    (["--partition-id", "010", "--num-partitions", "10", "--insecure"],
+     "--partition-id must be a decimal integer from 0 to 999999999 without leading zeros"),
+    (["--partition-id", "08", "--num-partitions", "10", "--insecure"],
+     "--partition-id must be a decimal integer"),
+    (["--partition-id", "1", "--num-partitions", "010", "--insecure"],
+     "--num-partitions must be a decimal integer"),
+    (["--partition-id", "0", "--num-partitions", "0", "--insecure"],
+     "--num-partitions must be a positive integer"),
+    (["--partition-id", "0", "--num-partitions", "1", "--insecure", "--port", "09094"],
+     "--port must be a decimal integer"),
+    (["--partition-id", "0", "--num-partitions", "1", "--insecure", "--port", "70000"],
+     "--port must be in 1..65535"),
     (["--partition-id", "0", "--num-partitions", "2", "--insecure", "--key", "k"],
      "node authentication is refused over --insecure"),
     (["--partition-id", "0", "--num-partitions", "2"], "--ca FILE is required"),
@@ -321,6 +354,12 @@ def test_start_superlink_script_enables_tls_and_node_auth(tmp_path):
     assert "--enable-supernode-auth" not in no_auth and "--ssl-certfile" in no_auth
     missing = script("start-superlink.sh", "--certs", str(tmp_path), env=env, cwd=tmp_path)
     assert missing.returncode == 2 and "python -m deploy.pki certs" in missing.stderr
+    for port in ("08000", "0", "65536", "80a"):
+        refused = script("start-superlink.sh", "--insecure", "--port", port, env=env,
+                         cwd=tmp_path)
+        assert refused.returncode == 2 and not refused.stdout
+        assert f"--port must be a decimal integer in 1..65535 without leading zeros, got " \
+            f"'{port}'" in " ".join(refused.stderr.split())
 
 
 @pytest.mark.parametrize("name", ["flower-superlink", "flower-supernode"])

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
+import types
 
 import numpy as np
 import pytest
@@ -27,6 +29,7 @@ from inprocess import InProcessGrid, run_server
 from clients.durable import (
     DurableState,
     DurableStateError,
+    keep_final_personal,
     simulation_folder,
     write_view_marker,
 )
@@ -111,6 +114,31 @@ def test_commit_renames_pending_over_committed_and_discard_drops_it(tmp_path):
     store.discard()
     assert_same_state(store.read(), sample_state(2))
     assert sorted(os.listdir(tmp_path)) == ["partition-0.npz"]
+
+
+def test_client_state_is_for_its_owner_only(tmp_path):
+    """Personalized models and u_k never leave the node: under the usual umask the
+    files are 0600 and the run's folder (a deployment's, a simulation's) 0700."""
+    previous = os.umask(0o022)
+    try:
+        store = DurableState.for_node({"state-dir": str(tmp_path / "state")}, tmp_path,
+                                      "run", 0, deployment=True, checkpoint=True)
+        store.stage(sample_state(2))
+        store.write(sample_state(1))
+        simulation = simulation_folder(tmp_path / "out", "run")
+        write_view_marker(simulation, "run", "t")
+        DurableState(simulation, "run", 0, "t").write(sample_state(1))
+        keep_final_personal(simulation)
+    finally:
+        os.umask(previous)
+
+    def mode(path):
+        return oct(path.stat().st_mode & 0o777)
+    assert mode(store.directory) == mode(simulation) == oct(0o700)
+    assert {mode(path) for path in (store.path(), store.path(PENDING),
+                                    store.directory / ".partition-0.lock",
+                                    simulation / "partition-0.npz")} == {oct(0o600)}
+    assert mode(tmp_path / "state") == oct(0o755)  # the state-dir is the node's own
 
 
 def test_ditto_personal_model_round_trips(tmp_path):
@@ -202,6 +230,46 @@ def test_a_stale_attempt_of_a_redone_round_is_discarded(ledger):
     ledger.stage(sample_state(2))
     assert_same_state(ledger.settle(decided(1, 1), partition_id=0), sample_state(1))
     assert ledger.read(PENDING) is None
+
+
+def test_a_stragglers_late_stage_keeps_the_next_rounds_pending_state(tmp_path):
+    """Round 3's training outlives its round-timeout; round 4 trains (in another
+    process, on the same files) and is aggregated; round 3 finishes last. Its state
+    must not replace round 4's, from which round 5 trains."""
+    straggler = ClientLedger(RecordDict(), store_in(tmp_path))
+    next_round = ClientLedger(RecordDict(), store_in(tmp_path))
+    store_in(tmp_path).write(sample_state(2))  # rounds 1 and 2 committed
+    assert straggler.settle(decided(2, 2), partition_id=0).round == 2  # round 3 starts
+    assert next_round.settle(decided(2, 3), partition_id=0).round == 2  # round 4 starts
+    next_round.stage(sample_state(4))
+    kept = straggler.stage(sample_state(3))  # too late: round 4's state stays
+    assert next_round.read(PENDING).round == 4 and kept is False
+    state = ClientLedger(RecordDict(), store_in(tmp_path)).settle(decided(4, 4), 0)
+    assert_same_state(state, sample_state(4))  # round 5 trains from round 4
+
+
+def test_memory_stage_never_replaces_a_newer_pending_state():
+    ledger = ClientLedger(RecordDict())
+    ledger.stage(sample_state(4))
+    kept = ledger.stage(sample_state(3))
+    assert_same_state(ledger.read(PENDING), sample_state(4))
+    assert kept is False
+    assert ledger.stage(sample_state(4)) and ledger.stage(sample_state(5))  # same or newer
+
+
+def test_stage_compares_and_writes_under_the_partitions_lock(tmp_path):
+    """Another process holding the lock (here: another open file of it) is waited for,
+    and what it wrote meanwhile is compared against."""
+    store = store_in(tmp_path)
+    outcome = []
+    late = threading.Thread(target=lambda: outcome.append(store.stage(sample_state(3))))
+    with store_in(tmp_path).lock():
+        late.start()
+        late.join(timeout=0.3)
+        assert late.is_alive() and not outcome  # waiting for the lock
+        store_in(tmp_path).write(sample_state(4), PENDING)  # the next round's, meanwhile
+    late.join(timeout=10)
+    assert outcome == [False] and store.read(PENDING).round == 4
 
 
 def test_memory_slots_never_leave_the_records_half_written():
@@ -296,6 +364,39 @@ def test_restarted_client_without_state_dir_starts_over_and_warns(tmp_path, flwr
     assert any("was lost" in m and "u_k = 0" in m and "round 1" in m for m in warnings)
 
 
+def test_memory_state_behind_the_server_says_it_continues_from_it(flwr_log):
+    """In memory, a straggler's copy of the state that finishes last replaces the newer
+    one: the client goes on from the round it holds, and its warning says so."""
+    shared, u_bar, split = round_inputs()
+    setup = client_app.ClientSetup(parse_run_config(RUN_CONFIG), get_method("fedrep"),
+                                   None, split, None, 0, 5, deployment=True,
+                                   num_partitions=2)
+    records = RecordDict()
+    sample_state(2).to_records(records)  # the straggler's copy: round 2 committed
+    message = train_message(5, shared, u_bar, node_id=1)  # round 4 was aggregated
+    _, state = setup.load_state(message, types.SimpleNamespace(state=records))
+    assert state.round == 4 and state.rounds_trained == 2
+    warnings = [r.getMessage() for r in flwr_log if r.levelno == logging.WARNING]
+    assert any("continues from the state of round 2 it holds" in m
+               and "in round 4" in m for m in warnings)
+
+
+@pytest.mark.parametrize("run_name", ["../../escape", "a/b", ".", ".."])
+def test_a_run_name_that_is_not_a_plain_name_is_refused(tmp_path, run_name):
+    """The run name a message carries names the folder of the client's state under
+    state-dir: it cannot point outside it."""
+    grid = InProcessGrid(client_app.app, 2, RUN_CONFIG)
+    grid.contexts[1].node_config["state-dir"] = str(tmp_path / "a" / "b" / "state")
+    shared, u_bar, _ = round_inputs()
+    message = train_message(1, shared, u_bar, node_id=1)
+    message.content.config_records["config"]["run-name"] = run_name
+    reply = grid.deliver(message)
+    assert reply.has_error()
+    assert f"the run name the server sent must be a plain name, got {run_name!r}" in (
+        reply.error.reason)
+    assert not list(tmp_path.rglob("partition-*"))
+
+
 def test_no_memory_only_warning_in_simulation(tmp_path, flwr_log):
     run_config = {**RUN_CONFIG, "output-dir": str(tmp_path)}
     grid = InProcessGrid(client_app.app, 2, run_config)
@@ -321,7 +422,8 @@ def test_a_failed_round_settles_the_decision_but_stages_nothing(tmp_path):
     broken.content[GLOBAL_REFERENCE] = ArrayRecord()  # the client cannot train with this
     assert grid.deliver(broken).has_error()
     # Round 2 is committed (the server's decision stands); the failed round 3 left nothing.
-    assert sorted(p.name for p in folder.iterdir()) == ["partition-0.npz"]
+    assert sorted(p.name for p in folder.iterdir()) == [".partition-0.lock",
+                                                         "partition-0.npz"]
     assert (folder / "partition-0.npz").read_bytes() == round_2
 
 
@@ -345,7 +447,8 @@ def test_client_state_dir_holds_the_clients_state_under_the_run_name(tmp_path):
     rounds, error = simulate(tmp_path, **{"client-state-dir": str(shared)})
     assert error is None and [r["train-dropped"] for r in rounds] == [0, 0]
     assert sorted(p.name for p in (shared / "run").iterdir()) == [
-        "partition-0.npz", "partition-1.npz", "run.json"]
+        ".partition-0.lock", ".partition-1.lock", "partition-0.npz", "partition-1.npz",
+        "run.json"]
     assert not (tmp_path / "out" / "run" / "client-state").exists()
 
 

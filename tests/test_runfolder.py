@@ -164,7 +164,8 @@ def test_a_second_flwr_run_goes_beside_the_first_and_leaves_it_whole(tmp_path):
     summary = json.loads((second / "summary.json").read_text())
     assert summary["complete"] and summary["rounds"] == 2
     assert sorted(p.name for p in (second / "client-state").iterdir()) == [
-        "partition-0.npz", "partition-1.npz", "run.json"]
+        ".partition-0.lock", ".partition-1.lock", "partition-0.npz", "partition-1.npz",
+        "run.json"]
     assert {m.content.config_records["config"]["run-name"] for m in grid.sent} == {second.name}
 
 

@@ -37,7 +37,7 @@ from flwr.supercore.differential_privacy import (
     get_norm,
 )
 
-from fedspc_app.core.config import COUNT_STDDEV_SHARE  # σ_b = qK/20 unless set
+from fedspc_app.core.privacy_config import COUNT_STDDEV_SHARE  # σ_b = qK/20 unless set
 from fedspc_app.core.records import ArrayDict
 
 

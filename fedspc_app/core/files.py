@@ -1,5 +1,6 @@
-"""Atomic file writes (readers see the old file or the new one, never half of one)
-and folder locks (one process at a time writes a run's or a grid's folder)."""
+"""Atomic file writes (readers see the old file or the new one, never half of one),
+folder locks (one process at a time writes a run's or a grid's folder) and file locks
+(processes take turns at a short read-compare-write)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,17 @@ from fedspc_app.core.errors import BusyError, ConfigError
 
 
 @contextlib.contextmanager
-def atomic_open(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
+def atomic_open(path: str | os.PathLike[str], mode: int | None = None
+                ) -> Iterator[BinaryIO]:
     """Open a temporary file beside ``path`` for binary writing; on success it
-    replaces ``path`` (after an fsync), on an exception it is removed."""
+    replaces ``path`` (after an fsync), on an exception it is removed. The file gets
+    ``mode`` (e.g. 0o600 for a private one), by default the mode open() would give."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        # mkstemp creates the file for its owner only; give it the mode open() would.
-        os.fchmod(fd, 0o666 & ~_umask())
+        # mkstemp creates the file for its owner only; give it the mode asked for.
+        os.fchmod(fd, 0o666 & ~_umask() if mode is None else mode)
         with os.fdopen(fd, "wb") as handle:
             yield handle
             handle.flush()
@@ -59,6 +62,22 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
     """Write ``data`` (text is UTF-8 encoded) to ``path`` atomically."""
     with atomic_open(path) as handle:
         handle.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike[str], mode: int = 0o666) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``path`` (created with ``mode`` if missing)
+    while the block runs, waiting while another process holds it: for a short
+    read-compare-write that two processes must not interleave. The kernel's
+    ``flock``, released however the holder ends; the file stays."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, mode)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def lock_path(folder: str | os.PathLike[str]) -> Path:
