@@ -412,6 +412,14 @@ def test_only_a_process_first_message_reports_when_the_process_and_handler_start
     assert client_app.first_message_times(456.0) == {}
 
 
+def test_a_process_start_is_never_reported_after_the_apps_import(monkeypatch):
+    # The boot clock and a wall clock stepped since disagree: the estimate is capped.
+    monkeypatch.setitem(startup._FIRST_MESSAGE, "pending", True)
+    monkeypatch.setattr(startup, "process_started_at", lambda: 1e12)
+    first = startup.first_message_times(30.0, import_started_at=10.0, imported_at=20.0)
+    assert first["process-started-at"] == 10.0
+
+
 def test_a_process_start_is_read_as_a_wall_clock_epoch():
     import subprocess
     import sys

@@ -68,7 +68,9 @@ def first_message_times(handler_started_at: float, import_started_at: float,
     times = {HANDLER_STARTED_AT: handler_started_at,
              APP_IMPORT_STARTED_AT: import_started_at, APP_IMPORTED_AT: imported_at}
     if started is not None:
-        times[PROCESS_STARTED_AT] = started
+        # The boot clock's estimate, never after a moment the wall clock saw this
+        # process alive (the two disagree after the wall clock was stepped).
+        times[PROCESS_STARTED_AT] = min(started, import_started_at)
     return times
 
 
