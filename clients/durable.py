@@ -147,14 +147,20 @@ class DurableState:
         are read and replaced, so that two processes of one partition take turns: a
         straggler still training after its round timed out, and the next round's."""
         private_folder(self.directory)
-        return file_lock(self.directory / f".partition-{self.partition_id}.lock",
-                         PRIVATE_FILE)
+        return file_lock(self.lock_path(), PRIVATE_FILE)
+
+    def lock_path(self) -> Path:
+        return self.directory / f".partition-{self.partition_id}.lock"
 
     def stage(self, state: ClientState) -> bool:
-        """Write ``state`` as pending, unless the pending file holds a newer round: a
-        straggler's late training must not replace the next round's pending state.
-        Returns whether it was written."""
+        """Write ``state`` as pending, unless the pending file holds a newer round of
+        this run (a straggler's late training must not replace the next round's
+        pending state), or a newer run of this name has claimed the partition since
+        (:meth:`claim`: this process is a straggler of the run before it). A pending
+        file of another run counts as absent. Returns whether it was written."""
         with self.lock():
+            if self.owner() not in ("", self.run_token):
+                return False
             meta = self._meta(PENDING)
             if meta is not None and int(meta.get("round", 0)) > state.round:
                 return False
@@ -172,34 +178,54 @@ class DurableState:
         self.path(PENDING).unlink(missing_ok=True)
 
     def claim(self) -> bool:
-        """Remove (and return True for) files that an earlier run with the same run
-        name left in this folder: they carry another run token."""
+        """Make this run the partition's owner, removing (and returning True for) files
+        that an earlier run with the same run name left in this folder: they carry
+        another run token. Called under :meth:`lock` (:meth:`ClientLedger.settle
+        <clients.state.ClientLedger.settle>`), so that a straggler of that earlier run
+        cannot stage between the removal and this run's use of the files; from then
+        on its :meth:`stage` sees the new owner and keeps nothing."""
         stale = False
         for slot in (COMMITTED, PENDING):
-            meta = self._meta(slot)
+            meta = self._meta(slot, any_run=True)
             if meta is not None and meta.get("run-token") != self.run_token:
                 self.path(slot).unlink(missing_ok=True)
                 stale = True
+        if self.owner() != self.run_token:
+            self.lock_path().write_text(self.run_token)  # (the lock file: 0600, ours)
         return stale
+
+    def owner(self) -> str:
+        """The run token of the run that last claimed this partition ("": none did),
+        kept in the partition's lock file."""
+        try:
+            return self.lock_path().read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            return ""
 
     def token_of(self, slot: str = COMMITTED) -> str | None:
         """The run token the slot's file was written with (``None``: no file)."""
-        meta = self._meta(slot)
+        meta = self._meta(slot, any_run=True)
         return None if meta is None else str(meta.get("run-token", ""))
 
-    def _meta(self, slot: str) -> dict | None:
-        loaded = self._load(slot, arrays=False)
+    def _meta(self, slot: str, *, any_run: bool = False) -> dict | None:
+        loaded = self._load(slot, arrays=False, any_run=any_run)
         return loaded[0] if loaded else None
 
-    def _load(self, slot: str, *, arrays: bool = True
+    def _load(self, slot: str, *, arrays: bool = True, any_run: bool = False
               ) -> tuple[dict, dict[str, dict[str, np.ndarray]]] | None:
-        """``(meta, blocks)`` of the slot's file (blocks only when ``arrays``), or None."""
+        """``(meta, blocks)`` of the slot's file (blocks only when ``arrays``), or None:
+        no file (or it went while being opened: another process committed or
+        discarded it), or, unless ``any_run``, a file of another run, when this store
+        has a run token."""
         path = self.path(slot)
         if not path.is_file():
             return None
         try:
             with np.load(path, allow_pickle=False) as data:
                 meta = json.loads(str(data["meta"][()]))
+                if not (any_run or not self.run_token or not isinstance(meta, dict)
+                        or meta.get("run-token") == self.run_token):
+                    return None
                 blocks: dict[str, dict[str, np.ndarray]] = {}
                 for name in data.files if arrays else ():
                     if name == "meta":
@@ -208,15 +234,23 @@ class DurableState:
                     if prefix not in BLOCKS or not key:
                         raise ValueError(f"unexpected entry {name!r}")
                     blocks.setdefault(prefix, {})[key] = data[name]
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as error:
+        except FileNotFoundError:
+            return None
+        except OSError as error:  # permissions, an I/O error: the file may be fine
             raise DurableStateError(
-                f"cannot read the saved client state {path}: {error}. Move the file away "
+                f"cannot read the saved client state {path}: {error}. Keep the file: "
+                "check its permissions and the filesystem, then run the round again"
+            ) from error
+        except (ValueError, KeyError, AttributeError, zipfile.BadZipFile) as error:
+            raise DurableStateError(
+                f"the saved client state {path} is damaged: {error}. Move the file away "
                 "to restart this client from the initial personalized parameters and u_k = 0"
             ) from error
         return meta, blocks
 
     def read(self, slot: str = COMMITTED) -> ClientState | None:
-        """The state saved in ``slot``, or ``None`` when there is no file.
+        """The state saved in ``slot``, or ``None`` when there is no file (or, for a
+        store with a run token, only a file of another run with this run name).
 
         Raises
         ------

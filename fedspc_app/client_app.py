@@ -267,12 +267,11 @@ class ClientSetup:
                 "this client starts again from the common initial personalized parameters "
                 "and u_k = 0. Start it with --node-config \"... state-dir='/var/lib/fedspc'\" "
                 "to keep it on disk.", where)
-        claimed = self.store is not None and self.store.claim()
-        if claimed and (self.deployment or not self.config.dp):  # (not in a private
+        state = ledger.settle(decisions, self.partition_id)  # (claims the files first)
+        if ledger.claimed and (self.deployment or not self.config.dp):  # (not in a private
             # simulation's shared log, where it would say when a client first trained)
             log(INFO, "Removed the saved client state of an earlier run named like this one "
                 "(%s) in %s", where, self.store.directory)
-        state = ledger.settle(decisions, self.partition_id)
         accepted = decisions.accepted_round(self.partition_id)
         if state.round == accepted:
             return ledger, state
@@ -378,9 +377,10 @@ def train(message: Message, context: Context) -> Message:
     working = time.perf_counter()
     outcome = train_client(job, global_reference=global_reference)
     if not ledger.stage(outcome.state):
-        log(WARNING, "Partition %d finished training round %d after a later round had "
-            "already trained (its reply came too late): the later round's state is "
-            "kept, this round's is not", setup.partition_id, setup.server_round)
+        log(WARNING, "Partition %d finished training round %d after a later round (or a "
+            "newer run of this run name) had already trained (its reply came too late): "
+            "the later state is kept, this round's is not", setup.partition_id,
+            setup.server_round)
     worked = time.perf_counter()
     metrics = {**outcome.metrics, PARTITION_ID: setup.partition_id,
                **timings(started, working, worked), **first_message_times(started_at)}

@@ -184,7 +184,72 @@ def test_claim_removes_what_another_run_with_the_same_name_left(tmp_path):
     store_in(tmp_path, token="old").write(sample_state(6), PENDING)
     assert store_in(tmp_path, token="old").claim() is False  # its own files stay
     assert store_in(tmp_path, token="new").claim() is True
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == [".partition-0.lock"]  # (it names the new owner)
+    assert store_in(tmp_path, token="new").owner() == "new"
+
+
+def test_a_file_that_goes_while_being_read_is_no_file(tmp_path, monkeypatch):
+    """Another process of the partition committed or discarded it in between."""
+    store = store_in(tmp_path)
+    store.write(sample_state(2), PENDING)
+
+    def gone(*args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory")
+    monkeypatch.setattr("clients.durable.np.load", gone)
+    assert store.read(PENDING) is None
+
+
+def test_a_file_that_cannot_be_opened_now_is_kept_not_moved_away(tmp_path, monkeypatch):
+    store = store_in(tmp_path)
+    store.write(sample_state(2))
+
+    def unreadable(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr("clients.durable.np.load", unreadable)
+    with pytest.raises(DurableStateError, match="Keep the file") as raised:
+        store.read()
+    assert "Move the file away" not in str(raised.value)
+
+
+def test_files_of_another_run_are_never_read_as_this_runs_state(tmp_path):
+    store_in(tmp_path, token="a").write(sample_state(1), PENDING)
+    assert store_in(tmp_path, token="b").read(PENDING) is None
+    assert store_in(tmp_path, token="b").token_of(PENDING) == "a"
+    assert store_in(tmp_path, token="").read(PENDING).round == 1  # (export reads any)
+
+
+def test_settle_claims_the_partition_under_its_lock(tmp_path):
+    """An earlier run's straggler cannot stage between the claim and the read."""
+    store_in(tmp_path, token="a").write(sample_state(1), PENDING)
+    ledger = ClientLedger(RecordDict(), store_in(tmp_path, token="b"))
+    settled = []
+    late = threading.Thread(target=lambda: settled.append(ledger.settle(decided(1, 1), 0)))
+    with store_in(tmp_path).lock():
+        late.start()
+        late.join(timeout=0.3)
+        assert late.is_alive() and store_in(tmp_path).path(PENDING).exists()
+    late.join(timeout=10)
+    assert settled[0].round == 0 and ledger.claimed
+    assert not store_in(tmp_path).path(PENDING).exists()
+
+
+@pytest.mark.parametrize("straggler_last", [False, True])
+def test_a_straggler_of_an_earlier_run_with_this_name_keeps_nothing(tmp_path,
+                                                                    straggler_last):
+    """Run "a" was stopped while partition 0 still trained its round 50; run "b",
+    with the same run name, starts. Whether that straggler finishes before or after
+    b's round 1 stages, b's state is the one kept, and b goes on."""
+    store_in(tmp_path, token="a").write(sample_state(49))
+    old = ClientLedger(RecordDict(), store_in(tmp_path, token="a"))
+    new = ClientLedger(RecordDict(), store_in(tmp_path, token="b"))
+    assert new.settle(decided(0, 0), 0).round == 0 and new.claimed  # b's round 1
+    if not straggler_last:
+        assert old.stage(sample_state(50)) is False
+    assert new.stage(ClientState(rounds_trained=1, round=1)) is True
+    if straggler_last:
+        assert old.stage(sample_state(50)) is False
+    assert new.settle(decided(1, 1), 0).round == 1
+    assert store_in(tmp_path, token="").token_of() == "b"
 
 
 # ----------------------------------------------------------------- the ledger
