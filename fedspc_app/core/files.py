@@ -58,9 +58,11 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
-    """Write ``data`` (text is UTF-8 encoded) to ``path`` atomically."""
-    with atomic_open(path) as handle:
+def atomic_write(path: str | os.PathLike[str], data: bytes | str,
+                 mode: int | None = None) -> None:
+    """Write ``data`` (text is UTF-8 encoded) to ``path`` atomically (``mode``: as
+    :func:`atomic_open`'s)."""
+    with atomic_open(path, mode) as handle:
         handle.write(data.encode("utf-8") if isinstance(data, str) else data)
 
 
