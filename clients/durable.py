@@ -9,7 +9,9 @@ clients keep it under the run folder, ``<run folder>/client-state/`` (or
 server writes ``run.json`` (the run's token) into the folder first, and a client
 that does not find it as the server wrote it stops (:meth:`DurableState.check_view`):
 on a multi-node Ray cluster a client placed on a node that does not share the folder
-would otherwise start over from the initial state without a word.
+would otherwise start over from the initial state without a word; and since the
+run-config (the server's) names that folder, a node without ``state-dir`` writes
+nothing there, nor removes anything, before that check.
 
 Each partition has a committed file ``partition-<id>.npz`` and, between local
 training and the server's decision, a pending one ``partition-<id>.pending.npz``;
@@ -78,20 +80,31 @@ class DurableState:
     run_name: str
     partition_id: int
     run_token: str = ""
+    # A simulation's folder (no node state-dir): the server's run-config named it, so
+    # nothing is written or claimed there unless the server of this run marked it
+    # (:meth:`check_view`, on every :meth:`lock`).
+    marked: bool = False
 
     @classmethod
     def for_node(cls, node_config: Mapping, run_dir: Path, run_name: str,
                  partition_id: int, *, deployment: bool, checkpoint: bool,
-                 run_token: str = "", client_state_dir: str = "") -> DurableState | None:
-        """The store this client uses, or ``None`` when its state lives in memory."""
+                 run_token: str = "", client_state_dir: str = "",
+                 keeps_state: bool = True) -> DurableState | None:
+        """The store this client uses, or ``None`` when its state lives in memory.
+
+        A node's own ``state-dir`` is used whatever the server says. Without one, a
+        simulation's folder only for a method with client state (its server marks
+        that folder with ``run.json``; a method without keeps nothing on disk), and
+        the store is :attr:`marked`: a server cannot make a node without state-dir
+        write into, or remove files from, a folder the server did not mark."""
         state_dir = str(node_config.get(STATE_DIR_KEY, "") or "")
         if state_dir:
-            directory = Path(state_dir).expanduser() / run_name
-        elif checkpoint and not deployment:
-            directory = simulation_folder(run_dir, run_name, client_state_dir)
-        else:
-            return None
-        return cls(directory, run_name, partition_id, run_token)
+            return cls(Path(state_dir).expanduser() / run_name, run_name, partition_id,
+                       run_token)
+        if checkpoint and not deployment and keeps_state:
+            return cls(simulation_folder(run_dir, run_name, client_state_dir), run_name,
+                       partition_id, run_token, marked=True)
+        return None
 
     def check_view(self) -> None:
         """Stop unless this node sees the folder as the server of the simulation wrote
@@ -145,7 +158,10 @@ class DurableState:
     def lock(self) -> contextlib.AbstractContextManager[None]:
         """This partition's lock (a hidden file beside its state), held while its files
         are read and replaced, so that two processes of one partition take turns: a
-        straggler still training after its round timed out, and the next round's."""
+        straggler still training after its round timed out, and the next round's.
+        A :attr:`marked` folder is checked first (nothing is created before)."""
+        if self.marked:
+            self.check_view()
         private_folder(self.directory)
         return file_lock(self.lock_path(), PRIVATE_FILE)
 

@@ -227,14 +227,15 @@ class ClientSetup:
         data = client_data(config, partition_id, num_partitions)
         model = initial_model(config, data.dataset)
         deployment = bool(message_config(message).get(DEPLOYMENT, False))
+        split = parameter_split(model, method, shared_keys=config.shared_keys,
+                                personal_keys=config.personal_keys,
+                                local_buffers=config.dp)
         store = DurableState.for_node(context.node_config, config.run_dir,
                                       config.resolved_run_name, partition_id,
                                       deployment=deployment, checkpoint=config.checkpoint,
                                       run_token=str(message_config(message).get(RUN_TOKEN, "")),
-                                      client_state_dir=config.client_state_dir)
-        split = parameter_split(model, method, shared_keys=config.shared_keys,
-                                personal_keys=config.personal_keys,
-                                local_buffers=config.dp)
+                                      client_state_dir=config.client_state_dir,
+                                      keeps_state=keeps_client_state(method, config, split))
         return cls(config, method, data, split, model,
                    partition_id, int(message_config(message).get(SERVER_ROUND, 0)),
                    store=store, deployment=deployment, num_partitions=num_partitions)
@@ -253,13 +254,13 @@ class ClientSetup:
                                                                       ClientState]:
         """Settle the pending state as the server decided; the state to work from."""
         ledger = ClientLedger(context.state, self.store)
+        if self.store is not None and self.store.marked:
+            self.store.check_view()  # a simulation: the folder as its server wrote it
         decisions = message_decisions(message)
         if decisions is None:  # a server that sends no decisions: commit as it comes
             ledger.commit()
             return ledger, ledger.committed()
         where = f"run {self.config.resolved_run_name!r}, partition {self.partition_id}"
-        if self.store is not None and not self.deployment and self.keeps_state:
-            self.store.check_view()  # a simulation: the folder as its server wrote it
         if decisions.durable_through == 0 and self.deployment and self.keeps_state \
                 and self.store is None and ClientState.from_records(context.state) is None:
             log(WARNING, "Client state of %s lives only in this SuperNode's memory (no "

@@ -531,3 +531,30 @@ def test_a_node_that_sees_another_folder_stops_before_it_trains(tmp_path):
     assert [r["failed"] for r in rounds] == [1, 1]
     assert not (elsewhere / "run" / "partition-1.npz").exists()
     assert not (elsewhere / "run" / "partition-1.pending.npz").exists()
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedrep"])
+def test_a_node_without_state_dir_writes_only_where_its_simulation_server_marked(
+        tmp_path, method):
+    """A message without ``deployment`` (as a simulation's) and a run-config naming a
+    client-state-dir: a node without state-dir neither writes there nor removes the
+    files of another run it finds there, unless its server marked the folder
+    (run.json, with this run's token); a method without client state keeps nothing."""
+    victim = tmp_path / "victim"
+    DurableState(victim / "myrun", "myrun", 0, "someone-else").write(sample_state(3))
+    run_config = {**RUN_CONFIG, "method": method, "fedspc": method == "fedrep",
+                  "checkpoint": True, "client-state-dir": str(victim), "run-name": "myrun"}
+    config = parse_run_config(run_config)
+    model = make_model(config, load_dataset("digits", None))
+    split = parameter_split(model, get_method(method))
+    shared = state_arrays(model, split.shared)
+    grid = InProcessGrid(client_app.app, 2, run_config)
+    message = train_message(1, shared, {k: np.zeros_like(shared[k]) for k in split.corrected},
+                            node_id=1)
+    del message.content.config_records["config"]["deployment"]
+    if method == "fedavg":
+        del message.content.array_records[GLOBAL_REFERENCE]
+    reply = grid.deliver(message)
+    assert reply.has_error() == (method == "fedrep")  # (no run.json: it stops)
+    assert sorted(p.name for p in (victim / "myrun").iterdir()) == ["partition-0.npz"]
+    assert DurableState(victim / "myrun", "myrun", 0).read().round == 3
