@@ -5,6 +5,7 @@ folder locks (one process at a time writes a run's or a grid's folder) and file 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -16,7 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from fedspc_app.core.errors import BusyError, ConfigError
+from fedspc_app.core.errors import BusyError, ConfigError, LockError
 
 
 @contextlib.contextmanager
@@ -66,6 +67,26 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str,
         handle.write(data.encode("utf-8") if isinstance(data, str) else data)
 
 
+# flock's errors where the filesystem has no locks (NFS without lockd, Lustre mounted
+# without -o flock, some FUSE or SMB mounts): every try would fail the same way.
+NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)
+
+
+def _flock(fd: int, flags: int, path: Path) -> None:
+    """``fcntl.flock``; a filesystem without locks is one :class:`LockError` naming
+    the lock file and what to do (not a bare OSError on every round)."""
+    try:
+        fcntl.flock(fd, flags)
+    except OSError as error:
+        if error.errno not in NO_LOCKS:
+            raise
+        raise LockError(
+            f"cannot lock {path}: its filesystem does not support flock "
+            f"({os.strerror(error.errno)}). Put this folder on a local filesystem (for a "
+            "SuperNode, a local state-dir), or mount the shared one with flock support "
+            "(NFS with its lock service, Lustre with -o flock)") from None
+
+
 @contextlib.contextmanager
 def file_lock(path: str | os.PathLike[str], mode: int = 0o666) -> Iterator[None]:
     """Hold an exclusive lock on the file ``path`` (created with ``mode`` if missing)
@@ -76,7 +97,7 @@ def file_lock(path: str | os.PathLike[str], mode: int = 0o666) -> Iterator[None]
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, mode)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        _flock(fd, fcntl.LOCK_EX, path)
         yield
     finally:
         os.close(fd)  # releases the lock
@@ -118,7 +139,7 @@ def folder_lock(folder: str | os.PathLike[str], what: str, *, attempts: int = 3,
     try:
         for attempt in range(attempts):
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, lock_path(folder))
                 break
             except BlockingIOError:
                 if attempt == attempts - 1:
@@ -148,7 +169,7 @@ def lock_holder(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
         return None
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            _flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, lock_path(folder))
         except BlockingIOError:
             return _read_holder(fd)
         return None
