@@ -37,7 +37,13 @@ import numpy as np
 
 from clients.state import BLOCKS, COMMITTED, LOCAL_REFERENCE, PENDING, ClientState
 from fedspc_app.core.errors import FedSPCError
-from fedspc_app.core.files import atomic_open, atomic_write, file_lock, sync_folder
+from fedspc_app.core.files import (
+    atomic_open,
+    atomic_write,
+    file_lock,
+    open_lock,
+    sync_folder,
+)
 
 STATE_DIR_KEY = "state-dir"
 FORMAT_VERSION = 2
@@ -49,8 +55,13 @@ PRIVATE_FOLDER = 0o700  # the folder of a run's client state
 
 def private_folder(folder: Path) -> None:
     """Create ``folder`` if missing, for its owner only (missing parents get the
-    usual mode): it holds the clients' personalized models, which never leave them."""
+    usual mode): it holds the clients' personalized models, which never leave them.
+    One that exists with access for others is made private if this user owns it
+    (another user's folder is used as found: a shared filesystem may map owners)."""
     folder.mkdir(mode=PRIVATE_FOLDER, parents=True, exist_ok=True)
+    info = folder.stat()
+    if info.st_uid == os.getuid() and info.st_mode & 0o077:
+        folder.chmod(PRIVATE_FOLDER)
 
 
 def simulation_folder(run_dir: Path, run_name: str, client_state_dir: str = "") -> Path:
@@ -207,16 +218,25 @@ class DurableState:
                 self.path(slot).unlink(missing_ok=True)
                 stale = True
         if self.owner() != self.run_token:
-            self.lock_path().write_text(self.run_token)  # (the lock file: 0600, ours)
+            fd = open_lock(self.lock_path(), PRIVATE_FILE)
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, self.run_token.encode(), 0)
+            finally:
+                os.close(fd)
         return stale
 
     def owner(self) -> str:
         """The run token of the run that last claimed this partition ("": none did),
         kept in the partition's lock file."""
         try:
-            return self.lock_path().read_text().strip()
-        except (OSError, UnicodeDecodeError):
+            fd = os.open(self.lock_path(), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
             return ""
+        try:
+            return os.pread(fd, 256, 0).decode(errors="replace").strip()
+        finally:
+            os.close(fd)
 
     def token_of(self, slot: str = COMMITTED) -> str | None:
         """The run token the slot's file was written with (``None``: no file)."""

@@ -141,6 +141,16 @@ def test_client_state_is_for_its_owner_only(tmp_path):
     assert mode(tmp_path / "state") == oct(0o755)  # the state-dir is the node's own
 
 
+def test_an_existing_run_folder_open_to_others_is_made_private(tmp_path):
+    """A <state-dir>/<run-name> folder this user made earlier with a looser mode (or
+    under a looser umask) holds u_k too: it is tightened to 0700 when used."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    folder.chmod(0o777)
+    DurableState(folder, "run", 0, "t").stage(sample_state(1))
+    assert oct(folder.stat().st_mode & 0o777) == oct(0o700)
+
+
 def test_ditto_personal_model_round_trips(tmp_path):
     store = store_in(tmp_path)
     state = ClientState(personal_model={"w": np.arange(6, dtype=np.float32).reshape(2, 3)},

@@ -98,3 +98,18 @@ def test_a_filesystem_without_flock_is_one_error_naming_the_lock_and_the_fix(
     with pytest.raises(FedSPCError, match="does not support flock"), \
             folder_lock(tmp_path / "run", "a run"):
         pass
+
+
+@pytest.mark.parametrize("planted", ["symlink", "folder"])
+def test_a_lock_file_that_is_not_a_regular_file_is_refused_and_nothing_followed(
+        tmp_path, planted):
+    """Someone who can write the folder plants the lock as a symlink (the lock would
+    create a file where it points) or as a folder: one clear error instead."""
+    lock, target = tmp_path / ".partition-0.lock", tmp_path / "elsewhere"
+    if planted == "symlink":
+        lock.symlink_to(target)
+    else:
+        lock.mkdir()
+    with pytest.raises(FedSPCError, match="is not a regular file"), file_lock(lock):
+        pass
+    assert not target.exists()

@@ -10,6 +10,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -87,6 +88,31 @@ def _flock(fd: int, flags: int, path: Path) -> None:
             "(NFS with its lock service, Lustre with -o flock)") from None
 
 
+def open_lock(path: Path, mode: int) -> int:
+    """Open (create with ``mode``) the lock file ``path`` for reading and writing,
+    never through a symlink (one planted in a shared folder would make this process
+    create or lock a file elsewhere), and only a regular file.
+
+    Raises
+    ------
+    LockError
+        If ``path`` is a symlink, a folder or another non-regular file.
+    """
+    refused = LockError(f"the lock file {path} is not a regular file (a symlink, a "
+                        "folder or a device): remove it (and check who could put it "
+                        "there); the lock is then created afresh")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, mode)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise refused from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise refused
+    return fd
+
+
 @contextlib.contextmanager
 def file_lock(path: str | os.PathLike[str], mode: int = 0o666) -> Iterator[None]:
     """Hold an exclusive lock on the file ``path`` (created with ``mode`` if missing)
@@ -95,7 +121,7 @@ def file_lock(path: str | os.PathLike[str], mode: int = 0o666) -> Iterator[None]
     ``flock``, released however the holder ends; the file stays."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, mode)
+    fd = open_lock(path, mode)
     try:
         _flock(fd, fcntl.LOCK_EX, path)
         yield
@@ -134,7 +160,7 @@ def folder_lock(folder: str | os.PathLike[str], what: str, *, attempts: int = 3,
     """
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_path(folder), os.O_RDWR | os.O_CREAT, 0o666)
+    fd = open_lock(lock_path(folder), 0o666)
     held = False
     try:
         for attempt in range(attempts):
@@ -164,7 +190,7 @@ def lock_holder(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     """Who holds ``folder``'s lock now (``what``, ``pid``, ``host``, ``since``), or
     None when nobody does. Probes with a shared lock, released at once."""
     try:
-        fd = os.open(lock_path(folder), os.O_RDONLY)
+        fd = os.open(lock_path(folder), os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return None
     try:
