@@ -211,6 +211,7 @@ class DurableState:
         <clients.state.ClientLedger.settle>`), so that a straggler of that earlier run
         cannot stage between the removal and this run's use of the files; from then
         on its :meth:`stage` sees the new owner and keeps nothing."""
+        self._remove_leftovers()
         stale = False
         for slot in (COMMITTED, PENDING):
             meta = self._meta(slot, any_run=True)
@@ -225,6 +226,13 @@ class DurableState:
             finally:
                 os.close(fd)
         return stale
+
+    def _remove_leftovers(self) -> None:
+        """Remove the temporary files of this partition's writes that a killed process
+        left (they hold u_k; under the lock, no write of the partition is under way)."""
+        for slot in (COMMITTED, PENDING):
+            for leftover in self.directory.glob(f".{self.path(slot).name}.*.tmp"):
+                leftover.unlink(missing_ok=True)
 
     def owner(self) -> str:
         """The run token of the run that last claimed this partition ("": none did),
@@ -338,6 +346,8 @@ def keep_final_personal(folder: Path, *, record_size: bool = True) -> int:
         with atomic_open(path, PRIVATE_FILE) as handle:
             np.savez(handle, **arrays)
         kept += path.stat().st_size
+    for leftover in folder.glob(".partition-*.npz.*.tmp"):  # a killed client's: u_k
+        leftover.unlink(missing_ok=True)
     atomic_write(folder / FINAL_MARKER, json.dumps({
         "contents": "each client's final personalized parameters; no u_k",
         **({"bytes": kept} if record_size else {})}) + "\n")

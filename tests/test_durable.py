@@ -262,6 +262,21 @@ def test_a_straggler_of_an_earlier_run_with_this_name_keeps_nothing(tmp_path,
     assert store_in(tmp_path, token="").token_of() == "b"
 
 
+def test_temporary_files_a_killed_client_left_are_removed(tmp_path):
+    """A client killed between writing a state file and renaming it leaves a
+    temporary file holding u_k: its partition's next settle removes it (another
+    partition's stay), and so does stripping a finished simulation's state."""
+    store_in(tmp_path).write(sample_state(1))
+    names = [".partition-0.npz.a1.tmp", ".partition-0.pending.npz.b2.tmp",
+             ".partition-1.npz.c3.tmp", ".partition-10.pending.npz.d4.tmp"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"u_k")
+    ClientLedger(RecordDict(), store_in(tmp_path)).settle(decided(1, 1), 0)
+    assert sorted(p.name for p in tmp_path.glob("*.tmp")) == sorted(names[2:])
+    keep_final_personal(tmp_path)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 # ----------------------------------------------------------------- the ledger
 @pytest.fixture(params=["memory", "files"])
 def ledger(request, tmp_path):
