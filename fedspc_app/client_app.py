@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from logging import INFO, WARNING
 
 import numpy as np
-from flwr.app import Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import Context, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.supercore import log
@@ -169,10 +169,36 @@ def node_run_config(context: Context, message: Message | None = None) -> RunConf
     return config.replace(run_name=str(run_name))
 
 
+def message_int(message: Message, key: str, minimum: int, default: int | None = None
+                ) -> int:
+    """The config record's ``key``: an integer (not a bool) of at least ``minimum``;
+    ``default`` when absent (``None``: it must be there). The server sends exactly
+    this; a string or a float is refused, not coerced (``int("3")``, ``int(2.7)``)."""
+    config = message_config(message)
+    if key not in config:
+        if default is None:
+            raise FedSPCError(f"the server's message lacks '{key}'")
+        return default
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise FedSPCError(f"the server's '{key}' must be an integer of at least "
+                          f"{minimum}, got {value!r}")
+    return value
+
+
+def message_flag(message: Message, key: str) -> bool:
+    """The config record's ``key``: true or false (false when absent); a string such
+    as "false" is refused, not taken as true."""
+    value = message_config(message).get(key, False)
+    if not isinstance(value, bool):
+        raise FedSPCError(f"the server's '{key}' must be true or false, got {value!r}")
+    return value
+
+
 def node_partition(message: Message, context: Context) -> tuple[int, int]:
     """This node's ``partition-id`` and ``num-partitions``, checked against the server's."""
     partition_id, num_partitions = check_node_config(context.node_config)
-    expected = int(message_config(message).get(NUM_CLIENTS, num_partitions))
+    expected = message_int(message, NUM_CLIENTS, 1, default=num_partitions)
     if expected != num_partitions:
         raise ConfigError(
             f"this node was started with num-partitions={num_partitions} but the "
@@ -181,12 +207,28 @@ def node_partition(message: Message, context: Context) -> tuple[int, int]:
     return partition_id, num_partitions
 
 
-def message_decisions(message: Message) -> Decisions | None:
-    """The server's decisions on earlier replies, as this message carries them."""
+def message_decisions(message: Message, num_partitions: int) -> Decisions | None:
+    """The server's decisions on earlier replies, as this message carries them: one
+    round (an integer of at least 0) for each of the ``num_partitions`` partitions."""
     config = message_config(message)
     if ACCEPTED_ROUNDS not in config:
         return None
-    return Decisions(list(config[ACCEPTED_ROUNDS]), int(config.get(DURABLE_THROUGH, 0)))
+    accepted = config[ACCEPTED_ROUNDS]
+    if (not isinstance(accepted, list) or len(accepted) != num_partitions
+            or any(isinstance(r, bool) or not isinstance(r, int) or r < 0
+                   for r in accepted)):
+        raise FedSPCError(f"the server's '{ACCEPTED_ROUNDS}' must be a list of "
+                          f"{num_partitions} integers of at least 0 (one per partition), "
+                          f"got {accepted!r}")
+    return Decisions(accepted, message_int(message, DURABLE_THROUGH, 0, default=0))
+
+
+def server_round_of(message: Message) -> int:
+    """The round a training or evaluation message is of (at least 1); 0 for a query
+    (a simulation's warm-up), which need not name one."""
+    if message.metadata.message_type == MessageType.QUERY:
+        return message_int(message, SERVER_ROUND, 1, default=0)
+    return message_int(message, SERVER_ROUND, 1)
 
 
 @dataclass
@@ -226,7 +268,7 @@ class ClientSetup:
         partition_id, num_partitions = node_partition(message, context)
         data = client_data(config, partition_id, num_partitions)
         model = initial_model(config, data.dataset)
-        deployment = bool(message_config(message).get(DEPLOYMENT, False))
+        deployment = message_flag(message, DEPLOYMENT)
         split = parameter_split(model, method, shared_keys=config.shared_keys,
                                 personal_keys=config.personal_keys,
                                 local_buffers=config.dp)
@@ -237,7 +279,7 @@ class ClientSetup:
                                       client_state_dir=config.client_state_dir,
                                       keeps_state=keeps_client_state(method, config, split))
         return cls(config, method, data, split, model,
-                   partition_id, int(message_config(message).get(SERVER_ROUND, 0)),
+                   partition_id, server_round_of(message),
                    store=store, deployment=deployment, num_partitions=num_partitions)
 
     @property
@@ -256,7 +298,7 @@ class ClientSetup:
         ledger = ClientLedger(context.state, self.store)
         if self.store is not None and self.store.marked:
             self.store.check_view()  # a simulation: the folder as its server wrote it
-        decisions = message_decisions(message)
+        decisions = message_decisions(message, self.num_partitions)
         if decisions is None:  # a server that sends no decisions: commit as it comes
             ledger.commit()
             return ledger, ledger.committed()
@@ -407,7 +449,7 @@ def evaluate(message: Message, context: Context) -> Message:
     after fine-tuning from a new client's start (:mod:`clients.held_out`)."""
     started, started_at = time.perf_counter(), time.time()
     setup = ClientSetup.from_message(message, context)
-    held_out = bool(message_config(message).get(HELD_OUT, False))
+    held_out = message_flag(message, HELD_OUT)
     if held_out != setup.held_out:
         raise ConfigError(
             f"partition {setup.partition_id} of {setup.num_partitions} is "

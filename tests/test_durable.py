@@ -583,3 +583,33 @@ def test_a_node_without_state_dir_writes_only_where_its_simulation_server_marked
     assert reply.has_error() == (method == "fedrep")  # (no run.json: it stops)
     assert sorted(p.name for p in (victim / "myrun").iterdir()) == ["partition-0.npz"]
     assert DurableState(victim / "myrun", "myrun", 0).read().round == 3
+
+
+MISSING = object()
+
+
+@pytest.mark.parametrize("key, value", [
+    ("accepted-rounds", "00"), ("accepted-rounds", b"\x00\x00"), ("accepted-rounds", [0]),
+    ("accepted-rounds", [0, 0, 0]), ("accepted-rounds", [0, -1]),
+    ("accepted-rounds", [False, False]), ("durable-through", "0"), ("durable-through", -1),
+    ("server-round", "1"), ("server-round", True), ("server-round", 1.0),
+    ("server-round", 0), ("server-round", -5), ("server-round", MISSING),
+    ("num-clients", "2"), ("num-clients", 2.0), ("deployment", "false"),
+])
+def test_a_round_field_of_the_wrong_type_is_one_clear_error(tmp_path, key, value):
+    """The server sends integers, lists of them and bools: anything else is refused,
+    naming the field, not coerced (a string's digits as rounds, "false" as true)
+    or left to fail on an index; nothing is staged."""
+    grid = InProcessGrid(client_app.app, 2, RUN_CONFIG)
+    grid.contexts[1].node_config["state-dir"] = str(tmp_path)
+    shared, u_bar, _ = round_inputs()
+    message = train_message(1, shared, u_bar, node_id=1)
+    config = message.content.config_records["config"]
+    if value is MISSING:
+        del config[key]
+    else:
+        config[key] = value
+    reply = grid.deliver(message)
+    assert reply.has_error()
+    assert f"'{key}'" in reply.error.reason and "IndexError" not in reply.error.reason
+    assert not list(tmp_path.rglob("partition-*.npz"))
