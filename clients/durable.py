@@ -9,7 +9,9 @@ clients keep it under the run folder, ``<run folder>/client-state/`` (or
 server writes ``run.json`` (the run's token) into the folder first, and a client
 that does not find it as the server wrote it stops (:meth:`DurableState.check_view`):
 on a multi-node Ray cluster a client placed on a node that does not share the folder
-would otherwise start over from the initial state without a word.
+would otherwise start over from the initial state without a word; and since the
+run-config (the server's) names that folder, a node without ``state-dir`` writes
+nothing there, nor removes anything, before that check.
 
 Each partition has a committed file ``partition-<id>.npz`` and, between local
 training and the server's decision, a pending one ``partition-<id>.pending.npz``;
@@ -35,7 +37,13 @@ import numpy as np
 
 from clients.state import BLOCKS, COMMITTED, LOCAL_REFERENCE, PENDING, ClientState
 from fedspc_app.core.errors import FedSPCError
-from fedspc_app.core.files import atomic_open, atomic_write, file_lock, sync_folder
+from fedspc_app.core.files import (
+    atomic_open,
+    atomic_write,
+    file_lock,
+    open_lock,
+    sync_folder,
+)
 
 STATE_DIR_KEY = "state-dir"
 FORMAT_VERSION = 2
@@ -47,8 +55,13 @@ PRIVATE_FOLDER = 0o700  # the folder of a run's client state
 
 def private_folder(folder: Path) -> None:
     """Create ``folder`` if missing, for its owner only (missing parents get the
-    usual mode): it holds the clients' personalized models, which never leave them."""
+    usual mode): it holds the clients' personalized models, which never leave them.
+    One that exists with access for others is made private if this user owns it
+    (another user's folder is used as found: a shared filesystem may map owners)."""
     folder.mkdir(mode=PRIVATE_FOLDER, parents=True, exist_ok=True)
+    info = folder.stat()
+    if info.st_uid == os.getuid() and info.st_mode & 0o077:
+        folder.chmod(PRIVATE_FOLDER)
 
 
 def simulation_folder(run_dir: Path, run_name: str, client_state_dir: str = "") -> Path:
@@ -78,20 +91,31 @@ class DurableState:
     run_name: str
     partition_id: int
     run_token: str = ""
+    # A simulation's folder (no node state-dir): the server's run-config named it, so
+    # nothing is written or claimed there unless the server of this run marked it
+    # (:meth:`check_view`, on every :meth:`lock`).
+    marked: bool = False
 
     @classmethod
     def for_node(cls, node_config: Mapping, run_dir: Path, run_name: str,
                  partition_id: int, *, deployment: bool, checkpoint: bool,
-                 run_token: str = "", client_state_dir: str = "") -> DurableState | None:
-        """The store this client uses, or ``None`` when its state lives in memory."""
+                 run_token: str = "", client_state_dir: str = "",
+                 keeps_state: bool = True) -> DurableState | None:
+        """The store this client uses, or ``None`` when its state lives in memory.
+
+        A node's own ``state-dir`` is used whatever the server says. Without one, a
+        simulation's folder only for a method with client state (its server marks
+        that folder with ``run.json``; a method without keeps nothing on disk), and
+        the store is :attr:`marked`: a server cannot make a node without state-dir
+        write into, or remove files from, a folder the server did not mark."""
         state_dir = str(node_config.get(STATE_DIR_KEY, "") or "")
         if state_dir:
-            directory = Path(state_dir).expanduser() / run_name
-        elif checkpoint and not deployment:
-            directory = simulation_folder(run_dir, run_name, client_state_dir)
-        else:
-            return None
-        return cls(directory, run_name, partition_id, run_token)
+            return cls(Path(state_dir).expanduser() / run_name, run_name, partition_id,
+                       run_token)
+        if checkpoint and not deployment and keeps_state:
+            return cls(simulation_folder(run_dir, run_name, client_state_dir), run_name,
+                       partition_id, run_token, marked=True)
+        return None
 
     def check_view(self) -> None:
         """Stop unless this node sees the folder as the server of the simulation wrote
@@ -145,16 +169,25 @@ class DurableState:
     def lock(self) -> contextlib.AbstractContextManager[None]:
         """This partition's lock (a hidden file beside its state), held while its files
         are read and replaced, so that two processes of one partition take turns: a
-        straggler still training after its round timed out, and the next round's."""
+        straggler still training after its round timed out, and the next round's.
+        A :attr:`marked` folder is checked first (nothing is created before)."""
+        if self.marked:
+            self.check_view()
         private_folder(self.directory)
-        return file_lock(self.directory / f".partition-{self.partition_id}.lock",
-                         PRIVATE_FILE)
+        return file_lock(self.lock_path(), PRIVATE_FILE)
+
+    def lock_path(self) -> Path:
+        return self.directory / f".partition-{self.partition_id}.lock"
 
     def stage(self, state: ClientState) -> bool:
-        """Write ``state`` as pending, unless the pending file holds a newer round: a
-        straggler's late training must not replace the next round's pending state.
-        Returns whether it was written."""
+        """Write ``state`` as pending, unless the pending file holds a newer round of
+        this run (a straggler's late training must not replace the next round's
+        pending state), or a newer run of this name has claimed the partition since
+        (:meth:`claim`: this process is a straggler of the run before it). A pending
+        file of another run counts as absent. Returns whether it was written."""
         with self.lock():
+            if self.owner() not in ("", self.run_token):
+                return False
             meta = self._meta(PENDING)
             if meta is not None and int(meta.get("round", 0)) > state.round:
                 return False
@@ -172,34 +205,71 @@ class DurableState:
         self.path(PENDING).unlink(missing_ok=True)
 
     def claim(self) -> bool:
-        """Remove (and return True for) files that an earlier run with the same run
-        name left in this folder: they carry another run token."""
+        """Make this run the partition's owner, removing (and returning True for) files
+        that an earlier run with the same run name left in this folder: they carry
+        another run token. Called under :meth:`lock` (:meth:`ClientLedger.settle
+        <clients.state.ClientLedger.settle>`), so that a straggler of that earlier run
+        cannot stage between the removal and this run's use of the files; from then
+        on its :meth:`stage` sees the new owner and keeps nothing."""
+        self._remove_leftovers()
         stale = False
         for slot in (COMMITTED, PENDING):
-            meta = self._meta(slot)
+            meta = self._meta(slot, any_run=True)
             if meta is not None and meta.get("run-token") != self.run_token:
                 self.path(slot).unlink(missing_ok=True)
                 stale = True
+        if self.owner() != self.run_token:
+            fd = open_lock(self.lock_path(), PRIVATE_FILE)
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, self.run_token.encode(), 0)
+            finally:
+                os.close(fd)
         return stale
+
+    def _remove_leftovers(self) -> None:
+        """Remove the temporary files of this partition's writes that a killed process
+        left (they hold u_k; under the lock, no write of the partition is under way)."""
+        for slot in (COMMITTED, PENDING):
+            for leftover in self.directory.glob(f".{self.path(slot).name}.*.tmp"):
+                leftover.unlink(missing_ok=True)
+
+    def owner(self) -> str:
+        """The run token of the run that last claimed this partition ("": none did),
+        kept in the partition's lock file."""
+        try:
+            fd = os.open(self.lock_path(), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return ""
+        try:
+            return os.pread(fd, 256, 0).decode(errors="replace").strip()
+        finally:
+            os.close(fd)
 
     def token_of(self, slot: str = COMMITTED) -> str | None:
         """The run token the slot's file was written with (``None``: no file)."""
-        meta = self._meta(slot)
+        meta = self._meta(slot, any_run=True)
         return None if meta is None else str(meta.get("run-token", ""))
 
-    def _meta(self, slot: str) -> dict | None:
-        loaded = self._load(slot, arrays=False)
+    def _meta(self, slot: str, *, any_run: bool = False) -> dict | None:
+        loaded = self._load(slot, arrays=False, any_run=any_run)
         return loaded[0] if loaded else None
 
-    def _load(self, slot: str, *, arrays: bool = True
+    def _load(self, slot: str, *, arrays: bool = True, any_run: bool = False
               ) -> tuple[dict, dict[str, dict[str, np.ndarray]]] | None:
-        """``(meta, blocks)`` of the slot's file (blocks only when ``arrays``), or None."""
+        """``(meta, blocks)`` of the slot's file (blocks only when ``arrays``), or None:
+        no file (or it went while being opened: another process committed or
+        discarded it), or, unless ``any_run``, a file of another run, when this store
+        has a run token."""
         path = self.path(slot)
         if not path.is_file():
             return None
         try:
             with np.load(path, allow_pickle=False) as data:
                 meta = json.loads(str(data["meta"][()]))
+                if not (any_run or not self.run_token or not isinstance(meta, dict)
+                        or meta.get("run-token") == self.run_token):
+                    return None
                 blocks: dict[str, dict[str, np.ndarray]] = {}
                 for name in data.files if arrays else ():
                     if name == "meta":
@@ -208,15 +278,23 @@ class DurableState:
                     if prefix not in BLOCKS or not key:
                         raise ValueError(f"unexpected entry {name!r}")
                     blocks.setdefault(prefix, {})[key] = data[name]
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as error:
+        except FileNotFoundError:
+            return None
+        except OSError as error:  # permissions, an I/O error: the file may be fine
             raise DurableStateError(
-                f"cannot read the saved client state {path}: {error}. Move the file away "
+                f"cannot read the saved client state {path}: {error}. Keep the file: "
+                "check its permissions and the filesystem, then run the round again"
+            ) from error
+        except (ValueError, KeyError, AttributeError, zipfile.BadZipFile) as error:
+            raise DurableStateError(
+                f"the saved client state {path} is damaged: {error}. Move the file away "
                 "to restart this client from the initial personalized parameters and u_k = 0"
             ) from error
         return meta, blocks
 
     def read(self, slot: str = COMMITTED) -> ClientState | None:
-        """The state saved in ``slot``, or ``None`` when there is no file.
+        """The state saved in ``slot``, or ``None`` when there is no file (or, for a
+        store with a run token, only a file of another run with this run name).
 
         Raises
         ------
@@ -268,6 +346,8 @@ def keep_final_personal(folder: Path, *, record_size: bool = True) -> int:
         with atomic_open(path, PRIVATE_FILE) as handle:
             np.savez(handle, **arrays)
         kept += path.stat().st_size
+    for leftover in folder.glob(".partition-*.npz.*.tmp"):  # a killed client's: u_k
+        leftover.unlink(missing_ok=True)
     atomic_write(folder / FINAL_MARKER, json.dumps({
         "contents": "each client's final personalized parameters; no u_k",
         **({"bytes": kept} if record_size else {})}) + "\n")

@@ -113,6 +113,8 @@ class StateStore(Protocol):
 
     def discard(self) -> None: ...
 
+    def claim(self) -> bool: ...
+
 
 @dataclass
 class Decisions:
@@ -136,6 +138,7 @@ class ClientLedger:
     def __init__(self, records: RecordDict, store: StateStore | None = None) -> None:
         self.records = records
         self.store = store
+        self.claimed = False  # settle removed files an earlier run of this name left
 
     def read(self, slot: str = COMMITTED) -> ClientState | None:
         if self.store is not None:
@@ -179,8 +182,10 @@ class ClientLedger:
         checkpointed is used, not committed)."""
         accepted = decisions.accepted_round(partition_id)
         # Under the store's lock: a straggler's stage cannot slip in between the read
-        # of the pending state and its commit.
+        # of the pending state and its commit, nor a straggler of an earlier run of
+        # this name between the claim and the read.
         with self.store.lock() if self.store is not None else nullcontext():
+            self.claimed = self.store is not None and self.store.claim()
             pending = self.read(PENDING)
             if pending is not None:
                 if pending.round != accepted:

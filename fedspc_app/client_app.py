@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from logging import INFO, WARNING
 
 import numpy as np
-from flwr.app import Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import Context, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.supercore import log
@@ -169,10 +169,36 @@ def node_run_config(context: Context, message: Message | None = None) -> RunConf
     return config.replace(run_name=str(run_name))
 
 
+def message_int(message: Message, key: str, minimum: int, default: int | None = None
+                ) -> int:
+    """The config record's ``key``: an integer (not a bool) of at least ``minimum``;
+    ``default`` when absent (``None``: it must be there). The server sends exactly
+    this; a string or a float is refused, not coerced (``int("3")``, ``int(2.7)``)."""
+    config = message_config(message)
+    if key not in config:
+        if default is None:
+            raise FedSPCError(f"the server's message lacks '{key}'")
+        return default
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise FedSPCError(f"the server's '{key}' must be an integer of at least "
+                          f"{minimum}, got {value!r}")
+    return value
+
+
+def message_flag(message: Message, key: str) -> bool:
+    """The config record's ``key``: true or false (false when absent); a string such
+    as "false" is refused, not taken as true."""
+    value = message_config(message).get(key, False)
+    if not isinstance(value, bool):
+        raise FedSPCError(f"the server's '{key}' must be true or false, got {value!r}")
+    return value
+
+
 def node_partition(message: Message, context: Context) -> tuple[int, int]:
     """This node's ``partition-id`` and ``num-partitions``, checked against the server's."""
     partition_id, num_partitions = check_node_config(context.node_config)
-    expected = int(message_config(message).get(NUM_CLIENTS, num_partitions))
+    expected = message_int(message, NUM_CLIENTS, 1, default=num_partitions)
     if expected != num_partitions:
         raise ConfigError(
             f"this node was started with num-partitions={num_partitions} but the "
@@ -181,12 +207,28 @@ def node_partition(message: Message, context: Context) -> tuple[int, int]:
     return partition_id, num_partitions
 
 
-def message_decisions(message: Message) -> Decisions | None:
-    """The server's decisions on earlier replies, as this message carries them."""
+def message_decisions(message: Message, num_partitions: int) -> Decisions | None:
+    """The server's decisions on earlier replies, as this message carries them: one
+    round (an integer of at least 0) for each of the ``num_partitions`` partitions."""
     config = message_config(message)
     if ACCEPTED_ROUNDS not in config:
         return None
-    return Decisions(list(config[ACCEPTED_ROUNDS]), int(config.get(DURABLE_THROUGH, 0)))
+    accepted = config[ACCEPTED_ROUNDS]
+    if (not isinstance(accepted, list) or len(accepted) != num_partitions
+            or any(isinstance(r, bool) or not isinstance(r, int) or r < 0
+                   for r in accepted)):
+        raise FedSPCError(f"the server's '{ACCEPTED_ROUNDS}' must be a list of "
+                          f"{num_partitions} integers of at least 0 (one per partition), "
+                          f"got {accepted!r}")
+    return Decisions(accepted, message_int(message, DURABLE_THROUGH, 0, default=0))
+
+
+def server_round_of(message: Message) -> int:
+    """The round a training or evaluation message is of (at least 1); 0 for a query
+    (a simulation's warm-up), which need not name one."""
+    if message.metadata.message_type == MessageType.QUERY:
+        return message_int(message, SERVER_ROUND, 1, default=0)
+    return message_int(message, SERVER_ROUND, 1)
 
 
 @dataclass
@@ -226,17 +268,18 @@ class ClientSetup:
         partition_id, num_partitions = node_partition(message, context)
         data = client_data(config, partition_id, num_partitions)
         model = initial_model(config, data.dataset)
-        deployment = bool(message_config(message).get(DEPLOYMENT, False))
+        deployment = message_flag(message, DEPLOYMENT)
+        split = parameter_split(model, method, shared_keys=config.shared_keys,
+                                personal_keys=config.personal_keys,
+                                local_buffers=config.dp)
         store = DurableState.for_node(context.node_config, config.run_dir,
                                       config.resolved_run_name, partition_id,
                                       deployment=deployment, checkpoint=config.checkpoint,
                                       run_token=str(message_config(message).get(RUN_TOKEN, "")),
-                                      client_state_dir=config.client_state_dir)
-        split = parameter_split(model, method, shared_keys=config.shared_keys,
-                                personal_keys=config.personal_keys,
-                                local_buffers=config.dp)
+                                      client_state_dir=config.client_state_dir,
+                                      keeps_state=keeps_client_state(method, config, split))
         return cls(config, method, data, split, model,
-                   partition_id, int(message_config(message).get(SERVER_ROUND, 0)),
+                   partition_id, server_round_of(message),
                    store=store, deployment=deployment, num_partitions=num_partitions)
 
     @property
@@ -253,13 +296,13 @@ class ClientSetup:
                                                                       ClientState]:
         """Settle the pending state as the server decided; the state to work from."""
         ledger = ClientLedger(context.state, self.store)
-        decisions = message_decisions(message)
+        if self.store is not None and self.store.marked:
+            self.store.check_view()  # a simulation: the folder as its server wrote it
+        decisions = message_decisions(message, self.num_partitions)
         if decisions is None:  # a server that sends no decisions: commit as it comes
             ledger.commit()
             return ledger, ledger.committed()
         where = f"run {self.config.resolved_run_name!r}, partition {self.partition_id}"
-        if self.store is not None and not self.deployment and self.keeps_state:
-            self.store.check_view()  # a simulation: the folder as its server wrote it
         if decisions.durable_through == 0 and self.deployment and self.keeps_state \
                 and self.store is None and ClientState.from_records(context.state) is None:
             log(WARNING, "Client state of %s lives only in this SuperNode's memory (no "
@@ -267,12 +310,11 @@ class ClientSetup:
                 "this client starts again from the common initial personalized parameters "
                 "and u_k = 0. Start it with --node-config \"... state-dir='/var/lib/fedspc'\" "
                 "to keep it on disk.", where)
-        claimed = self.store is not None and self.store.claim()
-        if claimed and (self.deployment or not self.config.dp):  # (not in a private
+        state = ledger.settle(decisions, self.partition_id)  # (claims the files first)
+        if ledger.claimed and (self.deployment or not self.config.dp):  # (not in a private
             # simulation's shared log, where it would say when a client first trained)
             log(INFO, "Removed the saved client state of an earlier run named like this one "
                 "(%s) in %s", where, self.store.directory)
-        state = ledger.settle(decisions, self.partition_id)
         accepted = decisions.accepted_round(self.partition_id)
         if state.round == accepted:
             return ledger, state
@@ -378,9 +420,10 @@ def train(message: Message, context: Context) -> Message:
     working = time.perf_counter()
     outcome = train_client(job, global_reference=global_reference)
     if not ledger.stage(outcome.state):
-        log(WARNING, "Partition %d finished training round %d after a later round had "
-            "already trained (its reply came too late): the later round's state is "
-            "kept, this round's is not", setup.partition_id, setup.server_round)
+        log(WARNING, "Partition %d finished training round %d after a later round (or a "
+            "newer run of this run name) had already trained (its reply came too late): "
+            "the later state is kept, this round's is not", setup.partition_id,
+            setup.server_round)
     worked = time.perf_counter()
     metrics = {**outcome.metrics, PARTITION_ID: setup.partition_id,
                **timings(started, working, worked), **first_message_times(started_at)}
@@ -406,7 +449,7 @@ def evaluate(message: Message, context: Context) -> Message:
     after fine-tuning from a new client's start (:mod:`clients.held_out`)."""
     started, started_at = time.perf_counter(), time.time()
     setup = ClientSetup.from_message(message, context)
-    held_out = bool(message_config(message).get(HELD_OUT, False))
+    held_out = message_flag(message, HELD_OUT)
     if held_out != setup.held_out:
         raise ConfigError(
             f"partition {setup.partition_id} of {setup.num_partitions} is "

@@ -41,6 +41,11 @@ PREFIX = ".client-references-"  # the store's own folder, inside ``folder``
 FILE = "u_k.npy"
 
 
+def _private(path: str, flags: int) -> int:
+    """open()'s opener for a file its owner alone may read (the u_k of every client)."""
+    return os.open(path, flags, 0o600)
+
+
 def _remove(fd: int, folder: str) -> None:
     os.close(fd)
     shutil.rmtree(folder, ignore_errors=True)
@@ -78,7 +83,7 @@ class ClientReferences(Mapping[int, ArrayDict]):
                 shutil.rmtree(stale, ignore_errors=True)
         self.folder = Path(tempfile.mkdtemp(prefix=PREFIX, dir=folder))
         self.path = self.folder / FILE
-        with open(self.path, "wb") as handle:
+        with open(self.path, "wb", opener=_private) as handle:  # (u_k: 0600, as a client's)
             np.lib.format.write_array_header_1_0(handle, {
                 "descr": np.lib.format.dtype_to_descr(np.dtype(np.float32)),
                 "fortran_order": False, "shape": (self.rows, self.width)})

@@ -5,6 +5,8 @@ u_k one array at a time (fedspc_app/runs/checkpoint.py)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
@@ -377,3 +379,23 @@ def test_a_client_refuses_a_u_bar_that_does_not_fit_its_corrected_parameters():
         reply = grid.deliver(train_message(2, shared, bad, node_id=1))
         assert reply.has_error() and "global reference u_bar" in reply.error.reason
 
+
+
+def test_the_checkpoint_holding_every_u_k_and_the_secret_is_for_its_owner_only(tmp_path):
+    """Under the usual umask the checkpoint's arrays (every client's u_k here) and
+    checkpoint.json (the secret under differential privacy) are 0600, as the
+    clients' own state files, and so is the server's file of tracked u_k."""
+    strategy, _, _ = run("client-centre", rule="median", rounds=1, partial=False)
+    previous = os.umask(0o022)
+    try:
+        write_checkpoint(tmp_path, Checkpoint(
+            round=1, phase="complete", shared={"w": f32(0, 0)},
+            global_reference=strategy.state_arrays(),
+            strategy={**strategy.state_dict(), "dp-secret": "deadbeef"}),
+            fingerprint(RunConfig(fedspc=True), 5), new_arrays=True)
+        store = ClientReferences({"w": (2,)}, 3, folder=tmp_path / "refs")
+    finally:
+        os.umask(previous)
+    modes = {path.name: oct(path.stat().st_mode & 0o777) for path in (
+        tmp_path / "checkpoint-r00001.npz", tmp_path / "checkpoint.json", store.path)}
+    assert set(modes.values()) == {oct(0o600)}, modes

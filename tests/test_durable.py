@@ -141,6 +141,16 @@ def test_client_state_is_for_its_owner_only(tmp_path):
     assert mode(tmp_path / "state") == oct(0o755)  # the state-dir is the node's own
 
 
+def test_an_existing_run_folder_open_to_others_is_made_private(tmp_path):
+    """A <state-dir>/<run-name> folder this user made earlier with a looser mode (or
+    under a looser umask) holds u_k too: it is tightened to 0700 when used."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    folder.chmod(0o777)
+    DurableState(folder, "run", 0, "t").stage(sample_state(1))
+    assert oct(folder.stat().st_mode & 0o777) == oct(0o700)
+
+
 def test_ditto_personal_model_round_trips(tmp_path):
     store = store_in(tmp_path)
     state = ClientState(personal_model={"w": np.arange(6, dtype=np.float32).reshape(2, 3)},
@@ -184,7 +194,87 @@ def test_claim_removes_what_another_run_with_the_same_name_left(tmp_path):
     store_in(tmp_path, token="old").write(sample_state(6), PENDING)
     assert store_in(tmp_path, token="old").claim() is False  # its own files stay
     assert store_in(tmp_path, token="new").claim() is True
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == [".partition-0.lock"]  # (it names the new owner)
+    assert store_in(tmp_path, token="new").owner() == "new"
+
+
+def test_a_file_that_goes_while_being_read_is_no_file(tmp_path, monkeypatch):
+    """Another process of the partition committed or discarded it in between."""
+    store = store_in(tmp_path)
+    store.write(sample_state(2), PENDING)
+
+    def gone(*args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory")
+    monkeypatch.setattr("clients.durable.np.load", gone)
+    assert store.read(PENDING) is None
+
+
+def test_a_file_that_cannot_be_opened_now_is_kept_not_moved_away(tmp_path, monkeypatch):
+    store = store_in(tmp_path)
+    store.write(sample_state(2))
+
+    def unreadable(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr("clients.durable.np.load", unreadable)
+    with pytest.raises(DurableStateError, match="Keep the file") as raised:
+        store.read()
+    assert "Move the file away" not in str(raised.value)
+
+
+def test_files_of_another_run_are_never_read_as_this_runs_state(tmp_path):
+    store_in(tmp_path, token="a").write(sample_state(1), PENDING)
+    assert store_in(tmp_path, token="b").read(PENDING) is None
+    assert store_in(tmp_path, token="b").token_of(PENDING) == "a"
+    assert store_in(tmp_path, token="").read(PENDING).round == 1  # (export reads any)
+
+
+def test_settle_claims_the_partition_under_its_lock(tmp_path):
+    """An earlier run's straggler cannot stage between the claim and the read."""
+    store_in(tmp_path, token="a").write(sample_state(1), PENDING)
+    ledger = ClientLedger(RecordDict(), store_in(tmp_path, token="b"))
+    settled = []
+    late = threading.Thread(target=lambda: settled.append(ledger.settle(decided(1, 1), 0)))
+    with store_in(tmp_path).lock():
+        late.start()
+        late.join(timeout=0.3)
+        assert late.is_alive() and store_in(tmp_path).path(PENDING).exists()
+    late.join(timeout=10)
+    assert settled[0].round == 0 and ledger.claimed
+    assert not store_in(tmp_path).path(PENDING).exists()
+
+
+@pytest.mark.parametrize("straggler_last", [False, True])
+def test_a_straggler_of_an_earlier_run_with_this_name_keeps_nothing(tmp_path,
+                                                                    straggler_last):
+    """Run "a" was stopped while partition 0 still trained its round 50; run "b",
+    with the same run name, starts. Whether that straggler finishes before or after
+    b's round 1 stages, b's state is the one kept, and b goes on."""
+    store_in(tmp_path, token="a").write(sample_state(49))
+    old = ClientLedger(RecordDict(), store_in(tmp_path, token="a"))
+    new = ClientLedger(RecordDict(), store_in(tmp_path, token="b"))
+    assert new.settle(decided(0, 0), 0).round == 0 and new.claimed  # b's round 1
+    if not straggler_last:
+        assert old.stage(sample_state(50)) is False
+    assert new.stage(ClientState(rounds_trained=1, round=1)) is True
+    if straggler_last:
+        assert old.stage(sample_state(50)) is False
+    assert new.settle(decided(1, 1), 0).round == 1
+    assert store_in(tmp_path, token="").token_of() == "b"
+
+
+def test_temporary_files_a_killed_client_left_are_removed(tmp_path):
+    """A client killed between writing a state file and renaming it leaves a
+    temporary file holding u_k: its partition's next settle removes it (another
+    partition's stay), and so does stripping a finished simulation's state."""
+    store_in(tmp_path).write(sample_state(1))
+    names = [".partition-0.npz.a1.tmp", ".partition-0.pending.npz.b2.tmp",
+             ".partition-1.npz.c3.tmp", ".partition-10.pending.npz.d4.tmp"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"u_k")
+    ClientLedger(RecordDict(), store_in(tmp_path)).settle(decided(1, 1), 0)
+    assert sorted(p.name for p in tmp_path.glob("*.tmp")) == sorted(names[2:])
+    keep_final_personal(tmp_path)
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 # ----------------------------------------------------------------- the ledger
@@ -466,3 +556,60 @@ def test_a_node_that_sees_another_folder_stops_before_it_trains(tmp_path):
     assert [r["failed"] for r in rounds] == [1, 1]
     assert not (elsewhere / "run" / "partition-1.npz").exists()
     assert not (elsewhere / "run" / "partition-1.pending.npz").exists()
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedrep"])
+def test_a_node_without_state_dir_writes_only_where_its_simulation_server_marked(
+        tmp_path, method):
+    """A message without ``deployment`` (as a simulation's) and a run-config naming a
+    client-state-dir: a node without state-dir neither writes there nor removes the
+    files of another run it finds there, unless its server marked the folder
+    (run.json, with this run's token); a method without client state keeps nothing."""
+    victim = tmp_path / "victim"
+    DurableState(victim / "myrun", "myrun", 0, "someone-else").write(sample_state(3))
+    run_config = {**RUN_CONFIG, "method": method, "fedspc": method == "fedrep",
+                  "checkpoint": True, "client-state-dir": str(victim), "run-name": "myrun"}
+    config = parse_run_config(run_config)
+    model = make_model(config, load_dataset("digits", None))
+    split = parameter_split(model, get_method(method))
+    shared = state_arrays(model, split.shared)
+    grid = InProcessGrid(client_app.app, 2, run_config)
+    message = train_message(1, shared, {k: np.zeros_like(shared[k]) for k in split.corrected},
+                            node_id=1)
+    del message.content.config_records["config"]["deployment"]
+    if method == "fedavg":
+        del message.content.array_records[GLOBAL_REFERENCE]
+    reply = grid.deliver(message)
+    assert reply.has_error() == (method == "fedrep")  # (no run.json: it stops)
+    assert sorted(p.name for p in (victim / "myrun").iterdir()) == ["partition-0.npz"]
+    assert DurableState(victim / "myrun", "myrun", 0).read().round == 3
+
+
+MISSING = object()
+
+
+@pytest.mark.parametrize("key, value", [
+    ("accepted-rounds", "00"), ("accepted-rounds", b"\x00\x00"), ("accepted-rounds", [0]),
+    ("accepted-rounds", [0, 0, 0]), ("accepted-rounds", [0, -1]),
+    ("accepted-rounds", [False, False]), ("durable-through", "0"), ("durable-through", -1),
+    ("server-round", "1"), ("server-round", True), ("server-round", 1.0),
+    ("server-round", 0), ("server-round", -5), ("server-round", MISSING),
+    ("num-clients", "2"), ("num-clients", 2.0), ("deployment", "false"),
+])
+def test_a_round_field_of_the_wrong_type_is_one_clear_error(tmp_path, key, value):
+    """The server sends integers, lists of them and bools: anything else is refused,
+    naming the field, not coerced (a string's digits as rounds, "false" as true)
+    or left to fail on an index; nothing is staged."""
+    grid = InProcessGrid(client_app.app, 2, RUN_CONFIG)
+    grid.contexts[1].node_config["state-dir"] = str(tmp_path)
+    shared, u_bar, _ = round_inputs()
+    message = train_message(1, shared, u_bar, node_id=1)
+    config = message.content.config_records["config"]
+    if value is MISSING:
+        del config[key]
+    else:
+        config[key] = value
+    reply = grid.deliver(message)
+    assert reply.has_error()
+    assert f"'{key}'" in reply.error.reason and "IndexError" not in reply.error.reason
+    assert not list(tmp_path.rglob("partition-*.npz"))

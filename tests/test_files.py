@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -9,8 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from fedspc_app.core.errors import BusyError
-from fedspc_app.core.files import atomic_write, folder_lock, lock_holder, lock_path
+from fedspc_app.core.errors import BusyError, FedSPCError
+from fedspc_app.core.files import (
+    atomic_write,
+    file_lock,
+    folder_lock,
+    lock_holder,
+    lock_path,
+)
 
 
 @pytest.mark.parametrize("mask", [0o022, 0o077])
@@ -73,3 +80,36 @@ def test_a_killed_holder_leaves_its_folder_free(tmp_path):
     assert lock_holder(folder) is None
     with folder_lock(folder, "after the kill"):
         pass
+
+
+@pytest.mark.parametrize("code", [errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP])
+def test_a_filesystem_without_flock_is_one_error_naming_the_lock_and_the_fix(
+        tmp_path, monkeypatch, code):
+    """NFS without its lock service (ENOLCK), Lustre without -o flock (ENOSYS), some
+    FUSE or SMB mounts (EOPNOTSUPP): not a bare OSError on every round."""
+    def no_locks(fd, flags):
+        raise OSError(code, os.strerror(code))
+    monkeypatch.setattr("fedspc_app.core.files.fcntl.flock", no_locks)
+    lock = tmp_path / ".partition-0.lock"
+    with pytest.raises(FedSPCError, match="does not support flock") as raised, \
+            file_lock(lock):
+        pass
+    assert str(lock) in str(raised.value) and "local state-dir" in str(raised.value)
+    with pytest.raises(FedSPCError, match="does not support flock"), \
+            folder_lock(tmp_path / "run", "a run"):
+        pass
+
+
+@pytest.mark.parametrize("planted", ["symlink", "folder"])
+def test_a_lock_file_that_is_not_a_regular_file_is_refused_and_nothing_followed(
+        tmp_path, planted):
+    """Someone who can write the folder plants the lock as a symlink (the lock would
+    create a file where it points) or as a folder: one clear error instead."""
+    lock, target = tmp_path / ".partition-0.lock", tmp_path / "elsewhere"
+    if planted == "symlink":
+        lock.symlink_to(target)
+    else:
+        lock.mkdir()
+    with pytest.raises(FedSPCError, match="is not a regular file"), file_lock(lock):
+        pass
+    assert not target.exists()

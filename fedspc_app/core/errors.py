@@ -21,6 +21,11 @@ class BusyError(FedSPCError, RuntimeError):
     """A results folder is in use by another process (a run or a grid)."""
 
 
+class LockError(FedSPCError, RuntimeError):
+    """A lock file cannot be used: its filesystem does not support ``flock``, or it is
+    not a regular file."""
+
+
 def one_line(err: BaseException, limit: int = 200) -> str:
     """One-line ``Type: message`` summary of an exception, for user-facing messages."""
     text = str(err).strip().splitlines()

@@ -5,10 +5,12 @@ folder locks (one process at a time writes a run's or a grid's folder) and file 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -16,7 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from fedspc_app.core.errors import BusyError, ConfigError
+from fedspc_app.core.errors import BusyError, ConfigError, LockError
 
 
 @contextlib.contextmanager
@@ -58,10 +60,57 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
-    """Write ``data`` (text is UTF-8 encoded) to ``path`` atomically."""
-    with atomic_open(path) as handle:
+def atomic_write(path: str | os.PathLike[str], data: bytes | str,
+                 mode: int | None = None) -> None:
+    """Write ``data`` (text is UTF-8 encoded) to ``path`` atomically (``mode``: as
+    :func:`atomic_open`'s)."""
+    with atomic_open(path, mode) as handle:
         handle.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+# flock's errors where the filesystem has no locks (NFS without lockd, Lustre mounted
+# without -o flock, some FUSE or SMB mounts): every try would fail the same way.
+NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)
+
+
+def _flock(fd: int, flags: int, path: Path) -> None:
+    """``fcntl.flock``; a filesystem without locks is one :class:`LockError` naming
+    the lock file and what to do (not a bare OSError on every round)."""
+    try:
+        fcntl.flock(fd, flags)
+    except OSError as error:
+        if error.errno not in NO_LOCKS:
+            raise
+        raise LockError(
+            f"cannot lock {path}: its filesystem does not support flock "
+            f"({os.strerror(error.errno)}). Put this folder on a local filesystem (for a "
+            "SuperNode, a local state-dir), or mount the shared one with flock support "
+            "(NFS with its lock service, Lustre with -o flock)") from None
+
+
+def open_lock(path: Path, mode: int) -> int:
+    """Open (create with ``mode``) the lock file ``path`` for reading and writing,
+    never through a symlink (one planted in a shared folder would make this process
+    create or lock a file elsewhere), and only a regular file.
+
+    Raises
+    ------
+    LockError
+        If ``path`` is a symlink, a folder or another non-regular file.
+    """
+    refused = LockError(f"the lock file {path} is not a regular file (a symlink, a "
+                        "folder or a device): remove it (and check who could put it "
+                        "there); the lock is then created afresh")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, mode)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise refused from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise refused
+    return fd
 
 
 @contextlib.contextmanager
@@ -72,9 +121,9 @@ def file_lock(path: str | os.PathLike[str], mode: int = 0o666) -> Iterator[None]
     ``flock``, released however the holder ends; the file stays."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, mode)
+    fd = open_lock(path, mode)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        _flock(fd, fcntl.LOCK_EX, path)
         yield
     finally:
         os.close(fd)  # releases the lock
@@ -111,12 +160,12 @@ def folder_lock(folder: str | os.PathLike[str], what: str, *, attempts: int = 3,
     """
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_path(folder), os.O_RDWR | os.O_CREAT, 0o666)
+    fd = open_lock(lock_path(folder), 0o666)
     held = False
     try:
         for attempt in range(attempts):
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, lock_path(folder))
                 break
             except BlockingIOError:
                 if attempt == attempts - 1:
@@ -141,12 +190,12 @@ def lock_holder(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     """Who holds ``folder``'s lock now (``what``, ``pid``, ``host``, ``since``), or
     None when nobody does. Probes with a shared lock, released at once."""
     try:
-        fd = os.open(lock_path(folder), os.O_RDONLY)
+        fd = os.open(lock_path(folder), os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return None
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            _flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, lock_path(folder))
         except BlockingIOError:
             return _read_holder(fd)
         return None

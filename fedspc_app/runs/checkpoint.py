@@ -95,6 +95,12 @@ class Checkpoint:
     optimizer: ArrayDict = field(default_factory=dict)
 
 
+# The checkpoint's files are for the run's owner only: the arrays hold every client's
+# u_k under fedspc-reference = "client-centre"/"server-centre" (which the clients keep
+# 0600 themselves), and checkpoint.json the secret under differential privacy.
+PRIVATE_FILE = 0o600
+
+
 def _arrays_name(server_round: int) -> str:
     return f"checkpoint-r{server_round:05d}.npz"
 
@@ -108,7 +114,7 @@ def write_checkpoint(run_dir: Path, checkpoint: Checkpoint, identity: dict[str, 
         arrays = {SHARED + k: v for k, v in checkpoint.shared.items()}
         arrays.update({REFERENCE + k: v for k, v in checkpoint.global_reference.items()})
         arrays.update({OPTIMIZER + k: v for k, v in checkpoint.optimizer.items()})
-        with atomic_open(run_dir / name) as handle:
+        with atomic_open(run_dir / name, PRIVATE_FILE) as handle:
             np.savez(handle, **arrays)
     payload = {
         "format": FORMAT_VERSION,
@@ -123,7 +129,8 @@ def write_checkpoint(run_dir: Path, checkpoint: Checkpoint, identity: dict[str, 
         "train-metrics": checkpoint.train_metrics,
         "trained": checkpoint.trained,
     }
-    atomic_write(run_dir / CHECKPOINT_JSON, json.dumps(payload, indent=1, default=_plain))
+    atomic_write(run_dir / CHECKPOINT_JSON, json.dumps(payload, indent=1, default=_plain),
+                 PRIVATE_FILE)
     _remove_leftovers(run_dir, keep=name)
 
 
