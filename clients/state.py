@@ -176,11 +176,11 @@ class ClientLedger:
         else:
             clear_slot(self.records, PENDING)
 
-    def settle(self, decisions: Decisions, partition_id: int) -> ClientState:
+    def settle(self, decisions: Decisions | None, partition_id: int) -> ClientState:
         """Commit or discard the pending state as the server decided; return the state
         this client now stands on (a pending state the server accepted but has not yet
-        checkpointed is used, not committed)."""
-        accepted = decisions.accepted_round(partition_id)
+        checkpointed is used, not committed). ``decisions`` None: a server that sends
+        none, whose every reply counts as accepted (the pending state is committed)."""
         # Under the store's lock: a straggler's stage cannot slip in between the read
         # of the pending state and its commit, nor a straggler of an earlier run of
         # this name between the claim and the read.
@@ -188,7 +188,9 @@ class ClientLedger:
             self.claimed = self.store is not None and self.store.claim()
             pending = self.read(PENDING)
             if pending is not None:
-                if pending.round != accepted:
+                if decisions is None:
+                    self.commit()
+                elif pending.round != decisions.accepted_round(partition_id):
                     self.discard()  # dropped, failed, or a stale attempt of a redone round
                 elif pending.round <= decisions.durable_through:
                     self.commit()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import functools
 import math
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -195,6 +196,17 @@ def message_flag(message: Message, key: str) -> bool:
     return value
 
 
+def message_token(message: Message) -> str:
+    """The run token the message names ("" when absent): the server's 16 hex digits;
+    anything else (another type, a path, a text too long to keep in a lock file) is
+    refused, as it is written beside the client state and compared with it."""
+    value = message_config(message).get(RUN_TOKEN, "")
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{0,64}", value):
+        raise FedSPCError(f"the server's '{RUN_TOKEN}' must be a text of at most 64 "
+                          f"hexadecimal digits, got {value!r}")
+    return value
+
+
 def node_partition(message: Message, context: Context) -> tuple[int, int]:
     """This node's ``partition-id`` and ``num-partitions``, checked against the server's."""
     partition_id, num_partitions = check_node_config(context.node_config)
@@ -275,7 +287,7 @@ class ClientSetup:
         store = DurableState.for_node(context.node_config, config.run_dir,
                                       config.resolved_run_name, partition_id,
                                       deployment=deployment, checkpoint=config.checkpoint,
-                                      run_token=str(message_config(message).get(RUN_TOKEN, "")),
+                                      run_token=message_token(message),
                                       client_state_dir=config.client_state_dir,
                                       keeps_state=keeps_client_state(method, config, split))
         return cls(config, method, data, split, model,
@@ -300,8 +312,7 @@ class ClientSetup:
             self.store.check_view()  # a simulation: the folder as its server wrote it
         decisions = message_decisions(message, self.num_partitions)
         if decisions is None:  # a server that sends no decisions: commit as it comes
-            ledger.commit()
-            return ledger, ledger.committed()
+            return ledger, ledger.settle(None, self.partition_id)
         where = f"run {self.config.resolved_run_name!r}, partition {self.partition_id}"
         if decisions.durable_through == 0 and self.deployment and self.keeps_state \
                 and self.store is None and ClientState.from_records(context.state) is None:

@@ -322,6 +322,23 @@ def test_a_stale_attempt_of_a_redone_round_is_discarded(ledger):
     assert ledger.read(PENDING) is None
 
 
+def test_without_decisions_the_pending_state_is_committed_under_the_lock(tmp_path):
+    """A server that sends no decisions (another strategy): every reply counts as
+    accepted, and the commit waits for the partition's lock like a settle does, so a
+    straggler's stage cannot interleave with it."""
+    store_in(tmp_path, token="b").write(sample_state(1), PENDING)
+    ledger = ClientLedger(RecordDict(), store_in(tmp_path, token="b"))
+    settled = []
+    late = threading.Thread(target=lambda: settled.append(ledger.settle(None, 0)))
+    with store_in(tmp_path).lock():
+        late.start()
+        late.join(timeout=0.3)
+        assert late.is_alive() and store_in(tmp_path).path(PENDING).exists()
+    late.join(timeout=10)
+    assert settled[0].round == 1 and not store_in(tmp_path).path(PENDING).exists()
+    assert store_in(tmp_path, token="b").read().round == 1
+
+
 def test_a_stragglers_late_stage_keeps_the_next_rounds_pending_state(tmp_path):
     """Round 3's training outlives its round-timeout; round 4 trains (in another
     process, on the same files) and is aggregated; round 3 finishes last. Its state
@@ -392,7 +409,7 @@ def train_message(server_round: int, shared, u_bar, node_id: int) -> Message:
         ARRAYS: to_record(shared),
         GLOBAL_REFERENCE: to_record(u_bar),
         "config": ConfigRecord({"server-round": server_round, "num-clients": 2,
-                                "deployment": True, "run-token": "t",
+                                "deployment": True, "run-token": "7e",
                                 "accepted-rounds": [server_round - 1] * 2,
                                 "durable-through": server_round - 1}),
     })
@@ -436,7 +453,7 @@ def test_restarted_client_with_state_dir_trains_as_if_never_restarted(tmp_path, 
         np.testing.assert_array_equal(
             from_record(restarted.content.array_records[ARRAYS])[key], value)
     store = DurableState(tmp_path / "b" / "state" / "digits-cnn-fedrep+fedspc-a0.5-s0",
-                         "digits-cnn-fedrep+fedspc-a0.5-s0", 0, "t")
+                         "digits-cnn-fedrep+fedspc-a0.5-s0", 0, "7e")
     assert store.read().round == 1 and store.read(PENDING).round == 2
     assert ClientState.from_records(grid.state(0)) is None  # files only, no copy in memory
 
@@ -495,7 +512,7 @@ def test_no_memory_only_warning_in_simulation(tmp_path, flwr_log):
     message.content.config_records["config"]["deployment"] = False
     config = parse_run_config(run_config)  # the server's mark, as a simulation writes it
     write_view_marker(simulation_folder(config.run_dir, config.resolved_run_name),
-                      config.resolved_run_name, "t")
+                      config.resolved_run_name, "7e")
     assert not grid.deliver(message).has_error()
     assert not [r for r in flwr_log if r.levelno >= logging.WARNING]
 
@@ -595,6 +612,8 @@ MISSING = object()
     ("server-round", "1"), ("server-round", True), ("server-round", 1.0),
     ("server-round", 0), ("server-round", -5), ("server-round", MISSING),
     ("num-clients", "2"), ("num-clients", 2.0), ("deployment", "false"),
+    ("run-token", 7), ("run-token", "../x"), ("run-token", "A" * 2), ("run-token", "0" * 65),
+    ("run-token", ["7e"]),
 ])
 def test_a_round_field_of_the_wrong_type_is_one_clear_error(tmp_path, key, value):
     """The server sends integers, lists of them and bools: anything else is refused,
