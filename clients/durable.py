@@ -211,7 +211,6 @@ class DurableState:
         <clients.state.ClientLedger.settle>`), so that a straggler of that earlier run
         cannot stage between the removal and this run's use of the files; from then
         on its :meth:`stage` sees the new owner and keeps nothing."""
-        self._remove_leftovers()
         stale = False
         for slot in (COMMITTED, PENDING):
             meta = self._meta(slot, any_run=True)
@@ -227,9 +226,10 @@ class DurableState:
                 os.close(fd)
         return stale
 
-    def _remove_leftovers(self) -> None:
+    def remove_leftovers(self) -> None:
         """Remove the temporary files of this partition's writes that a killed process
-        left (they hold u_k; under the lock, no write of the partition is under way)."""
+        left (they hold u_k). Called under :meth:`lock`, when no write of the partition
+        is under way (:meth:`ClientLedger.settle <clients.state.ClientLedger.settle>`)."""
         for slot in (COMMITTED, PENDING):
             for leftover in self.directory.glob(f".{self.path(slot).name}.*.tmp"):
                 leftover.unlink(missing_ok=True)

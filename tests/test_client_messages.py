@@ -1,0 +1,198 @@
+"""A server message's fields, as a client checks them before it trains: learning
+rates it can divide by, round knobs only where the run-config has them, arrays of
+the model's dtypes read without trusting their headers, short error texts; and the
+errors a private simulation keeps out of its shared log."""
+
+from __future__ import annotations
+
+import logging
+from io import BytesIO
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord
+from inprocess import InProcessGrid
+from test_durable import RUN_CONFIG, round_inputs, train_message
+
+from fedspc_app import client_app
+from fedspc_app.core.config import parse_run_config
+from fedspc_app.core.errors import ConfigError, DivergenceError, MessageError
+from fedspc_app.core.protocol import ARRAYS, GLOBAL_REFERENCE
+from fedspc_app.core.ranges import LEARNING_RATE_RANGE, usable_learning_rate
+from fedspc_app.training.schedule import round_learning_rates
+
+SCHEDULED = {**RUN_CONFIG, "lr-schedule": "exponential", "lr-decay": 0.9}
+
+
+def deliver(run_config, tmp_path, edit):
+    """Round 1 for partition 0 (node 1) with a state-dir, the message changed by
+    ``edit``; the reply and the files the client left."""
+    grid = InProcessGrid(client_app.app, 2, run_config)
+    grid.contexts[1].node_config["state-dir"] = str(tmp_path)
+    shared, u_bar, _ = round_inputs()
+    message = train_message(1, shared, u_bar, node_id=1)
+    edit(message)
+    return grid.deliver(message), sorted(p.name for p in tmp_path.rglob("*"))
+
+
+def set_config(key, value):
+    def edit(message):
+        message.content.config_records["config"][key] = value
+    return edit
+
+
+def test_usable_learning_rates_are_those_a_float32_division_survives():
+    low, high = LEARNING_RATE_RANGE
+    # reference_change's scale, np.float32(1 / (E * eta)), at E = 1:
+    assert np.isfinite(np.float32(1.0 / low)) and np.isfinite(np.float32(high))
+    for rate in (low, 1e-30, 0.02, 1, 10.0, high):
+        assert usable_learning_rate(rate)
+    for rate in (0, -0.1, low / 2, 1e-300, high * 2, 1e308, float("inf"), float("nan"),
+                 True, "0.1", None):
+        assert not usable_learning_rate(rate)
+
+
+@pytest.mark.parametrize("rate", [1e-300, 1e-40, 1e308, 0.0, True, "0.01"])
+def test_a_round_learning_rate_a_client_cannot_divide_by_is_refused(tmp_path, rate):
+    """1e-300 passed as "positive and finite", and 1/(E eta) overflowed: every u_k
+    NaN, staged with an OK reply, committed by the next message."""
+    reply, files = deliver(SCHEDULED, tmp_path, set_config("learning-rate", rate))
+    assert reply.has_error() and "'learning-rate' must be a number from" in (
+        reply.error.reason)
+    assert files == []
+
+
+@pytest.mark.parametrize(("run_config", "key", "value", "needs"), [
+    (RUN_CONFIG, "learning-rate", 0.01, "lr-schedule is 'constant'"),
+    (RUN_CONFIG, "clipping-norm", 1e-3, "no adaptive clipping"),
+    ({**RUN_CONFIG, "dp-clipping-norm": 1.0, "dp-noise-multiplier": 0.1, "local-steps": 2},
+     "clipping-norm", 1e-3, "no adaptive clipping"),
+])
+def test_a_round_knob_the_run_config_has_not_is_refused(tmp_path, run_config, key, value,
+                                                        needs):
+    """A clipping norm switched clipping on in a run without privacy, or replaced a
+    fixed one; a learning rate applied without a schedule."""
+    reply, files = deliver(run_config, tmp_path, set_config(key, value))
+    assert reply.has_error()
+    assert needs in reply.error.reason or "withheld under differential privacy" in (
+        reply.error.reason)
+    assert files == []
+
+
+def test_a_private_runs_clipping_norm_is_refused_for_the_reason_it_withholds():
+    run_config = {**RUN_CONFIG, "dp-clipping-norm": 1.0, "dp-noise-multiplier": 0.1,
+                  "local-steps": 2}
+    grid = InProcessGrid(client_app.app, 2, run_config)
+    shared, u_bar, _ = round_inputs()
+    message = train_message(1, shared, u_bar, node_id=1)
+    message.content.config_records["config"]["clipping-norm"] = 1e-3
+    with pytest.raises(MessageError, match="no adaptive clipping"):
+        client_app.ClientSetup.from_message(message, grid.contexts[1])
+
+
+def test_a_schedule_towards_zero_is_refused_with_its_round():
+    config = parse_run_config({**RUN_CONFIG, "lr-schedule": "exponential",
+                               "lr-decay": 1e-20, "num-rounds": 3})
+    with pytest.raises(ConfigError, match="gives round 3 a learning rate of"):
+        round_learning_rates(config)
+    with pytest.raises(ConfigError, match="'learning-rate' must be a number from"):
+        parse_run_config({**RUN_CONFIG, "learning-rate": 1e-300})
+
+
+def test_a_reference_change_that_is_not_finite_fails_the_round(monkeypatch, tmp_path):
+    """Defence in depth: whatever makes the new u_k non-finite, nothing is staged."""
+    from clients import local
+    monkeypatch.setattr(local, "reference_change",
+                        lambda update, *a, **k: {key: np.full_like(v, np.nan)
+                                                 for key, v in update.items()})
+    reply, files = deliver(RUN_CONFIG, tmp_path, lambda message: None)
+    assert reply.has_error() and DivergenceError.__name__ in reply.error.reason
+    assert "reference change" in reply.error.reason
+    assert not [name for name in files if name.endswith(".npz")]
+
+
+def npy_bytes(header_shape, data: np.ndarray) -> bytes:
+    """A .npy file whose header declares ``header_shape`` but holds ``data``'s bytes."""
+    stream = BytesIO()
+    np.lib.format.write_array_header_1_0(stream, {
+        "descr": np.lib.format.dtype_to_descr(data.dtype), "fortran_order": False,
+        "shape": header_shape})
+    return stream.getvalue() + data.tobytes()
+
+
+def recast(dtype):
+    def edit(message):
+        record = message.content.array_records[ARRAYS]
+        key = next(iter(record.keys()))
+        record[key] = Array(record[key].numpy().astype(dtype))
+    return edit
+
+
+def lying_header(message):
+    record = message.content.array_records[ARRAYS]
+    key = next(iter(record.keys()))
+    value = record[key].numpy()
+    record[key] = Array(dtype=record[key].dtype, shape=tuple(value.shape),
+                        stype="numpy.ndarray", data=npy_bytes((2**40,), value))
+
+
+def text_reference(message):
+    message.content[GLOBAL_REFERENCE] = ArrayRecord({"x": Array(np.zeros(1, "<U3"))})
+
+
+@pytest.mark.parametrize(("edit", "reason"), [
+    (recast(np.float64), "has dtype float64, expected float32"),
+    (recast(np.float16), "has dtype float16, expected float32"),
+    (recast(np.complex64), "has dtype complex64, expected float32"),
+    (recast(np.bool_), "has dtype bool, expected float32"),
+    (lying_header, "has shape (1099511627776,)"),
+    (lambda m: m.content.array_records.pop(ARRAYS), "lacks the 'arrays' arrays"),
+    (text_reference, "do not match the expected keys"),
+])
+def test_arrays_are_of_the_models_dtypes_and_read_from_their_headers_first(
+        tmp_path, edit, reason):
+    """A dtype is never converted (float64 trained as float32, bool as 0/1, complex
+    failed after a whole round); a header that declares 2^40 entries allocates
+    nothing; a missing record is one clear reason, not KeyError."""
+    reply, files = deliver(RUN_CONFIG, tmp_path, edit)
+    assert reply.has_error() and reason in reply.error.reason, reply.error.reason
+    assert "KeyError" not in reply.error.reason and "MemoryError" not in reply.error.reason
+    assert files == []
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("run-token", "z" * 1_000_000), ("accepted-rounds", list(range(100_000))),
+    ("server-round", "9" * 100_000), ("run-name", "r" * 1_000_000)])
+def test_an_error_never_repeats_a_huge_value(tmp_path, key, value):
+    reply, files = deliver(RUN_CONFIG, tmp_path, set_config(key, value))
+    assert reply.has_error() and f"'{key}'" in reply.error.reason or (
+        "run name" in reply.error.reason)
+    assert len(reply.error.reason) < 2000
+    assert files == []
+
+
+def test_a_private_simulation_logs_no_partition_and_round(tmp_path):
+    """Under privacy in a simulation, the warnings that name a partition and its round
+    (its state lost, its late training not kept) stay out of the log every client
+    shares; the rounds still go on."""
+    run_config = {**RUN_CONFIG, "dp-clipping-norm": 1.0, "dp-noise-multiplier": 0.1,
+                  "local-steps": 2, "checkpoint": False, "output-dir": str(tmp_path)}
+    grid = InProcessGrid(client_app.app, 2, run_config)
+    shared, u_bar, _ = round_inputs()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("flwr").addHandler(handler)
+    try:
+        # Round 2 says round 1 was aggregated, but memory holds nothing (lost); then a
+        # straggler's round 1 finishes after round 2 staged (its state not kept).
+        for server_round, accepted in ((2, 1), (1, 2)):
+            message = train_message(server_round, shared, u_bar, node_id=1)
+            config = message.content.config_records["config"]
+            config.update({"deployment": False, "accepted-rounds": [accepted] * 2,
+                           "durable-through": 0})
+            assert not grid.deliver(message).has_error()
+    finally:
+        logging.getLogger("flwr").removeHandler(handler)
+    assert not [r.getMessage() for r in records if r.levelno >= logging.WARNING
+                and "artition" in r.getMessage()]
