@@ -53,12 +53,20 @@ PRIVATE_FILE = 0o600  # a client's state files: personalized models, u_k
 PRIVATE_FOLDER = 0o700  # the folder of a run's client state
 
 
+class DurableStateError(FedSPCError, RuntimeError):
+    """A state file exists but cannot be used."""
+
+
 def private_folder(folder: Path) -> None:
     """Create ``folder`` if missing, for its owner only (missing parents get the
     usual mode): it holds the clients' personalized models, which never leave them.
     One that exists with access for others is made private if this user owns it
     (another user's folder is used as found: a shared filesystem may map owners)."""
-    folder.mkdir(mode=PRIVATE_FOLDER, parents=True, exist_ok=True)
+    try:
+        folder.mkdir(mode=PRIVATE_FOLDER, parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise DurableStateError(f"cannot keep client state in {folder}: it, or a folder "
+                                "above it, is a file") from None
     info = folder.stat()
     if info.st_uid == os.getuid() and info.st_mode & 0o077:
         folder.chmod(PRIVATE_FOLDER)
@@ -77,10 +85,6 @@ def write_view_marker(folder: Path, run_name: str, run_token: str) -> None:
     private_folder(folder)
     with atomic_open(folder / VIEW_MARKER) as handle:
         handle.write(json.dumps({"run-name": run_name, "run-token": run_token}).encode())
-
-
-class DurableStateError(FedSPCError, RuntimeError):
-    """A state file exists but cannot be used."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import math
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -22,7 +21,7 @@ from clients import ClientJob, evaluate_client, train_client
 from clients.attack import attacked_reference_change, attacked_reply, is_attacker
 from clients.durable import DurableState
 from clients.held_out import evaluate_new_client, is_held_out
-from clients.local import keeps_client_state
+from clients.local import keeps_client_state, uses_control_variates
 from clients.state import (
     PENDING,
     ClientLedger,
@@ -67,7 +66,12 @@ from fedspc_app.core.protocol import (
     WARM_UP_QUERY,
     WORK_SECONDS,
 )
-from fedspc_app.core.ranges import learning_rate_range_text, usable_learning_rate
+from fedspc_app.core.ranges import (
+    FLOAT32_MAX,
+    is_number,
+    learning_rate_range_text,
+    usable_learning_rate,
+)
 from fedspc_app.core.records import ArrayDict, to_record
 from fedspc_app.core.replies import check_arrays, decoded, shown
 from fedspc_app.data.run_data import load_partition
@@ -229,6 +233,9 @@ def message_decisions(message: Message, num_partitions: int) -> Decisions | None
     config = message_config(message)
     if ACCEPTED_ROUNDS not in config:
         return None
+    if not message_token(message):  # (the files' owner: decisions are of one run)
+        raise MessageError(f"the server's message carries '{ACCEPTED_ROUNDS}' but no "
+                           f"'{RUN_TOKEN}' naming the run they are of")
     accepted = config[ACCEPTED_ROUNDS]
     if (not isinstance(accepted, list) or len(accepted) != num_partitions
             or any(isinstance(r, bool) or not isinstance(r, int) or r < 0
@@ -280,10 +287,9 @@ class ClientSetup:
                 raise MessageError(f"the server sent a round's '{CLIPPING_NORM}', but the "
                                   "run has no adaptive clipping (dp-clipping-norm > 0 and "
                                   "dp-clipping-quantile > 0)")
-            if (isinstance(round_norm, bool) or not isinstance(round_norm, (int, float))
-                    or not math.isfinite(round_norm) or round_norm <= 0):
+            if not is_number(round_norm) or not 0 < round_norm <= FLOAT32_MAX:
                 raise MessageError(f"the round's '{CLIPPING_NORM}' must be a positive "
-                                  f"finite number, got {shown(round_norm)}")
+                                   f"float32 number, got {shown(round_norm)}")
             config = config.replace(dp_clipping_norm=float(round_norm))
         apply_determinism(config.deterministic)
         method = get_method(config.method)
@@ -353,7 +359,8 @@ class ClientSetup:
                 f"last aggregated this client's reply in round {accepted}: the state "
                 "belongs to another run with this run name; remove it or pick a run-name")
         if self.store is not None:
-            other = self.store.token_of() not in (None, self.store.run_token)
+            other = (self.store.owner() not in ("", self.store.run_token)
+                     or self.store.token_of() not in (None, self.store.run_token))
             raise ClientStateError(
                 f"the server last aggregated the reply of {where} in round {accepted}, but "
                 f"the saved state in {self.store.directory} is from round {state.round}: "
@@ -464,8 +471,15 @@ def train(message: Message, context: Context) -> Message:
     # a message it cannot use settles no decision, claims nothing and writes nothing.
     received = setup.received_block(message)
     global_reference = global_reference_of(message, setup)
+    if global_reference is None and uses_control_variates(setup.method, setup.config):
+        raise MessageError(f"the server's message lacks the '{GLOBAL_REFERENCE}' arrays "
+                           "(u_bar), which the control variates train with")
     kept = (server_kept_reference(message, global_reference)
             if global_reference is not None else None)
+    if kept is not None and setup.config.reference_rule != "server-centre":
+        raise MessageError(f"the server sent this client's u_k, but the run's "
+                           f"fedspc-reference is {setup.config.reference_rule!r}, not "
+                           "'server-centre'")
     ledger, state = setup.load_state(message, context, claim=True)
     if kept is not None:  # fedspc-reference = "server-centre": the server's u_k
         state = replace(state, local_reference=kept)

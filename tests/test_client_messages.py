@@ -10,7 +10,7 @@ from io import BytesIO
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord
+from flwr.app import Array, ArrayRecord, MessageType
 from inprocess import InProcessGrid
 from test_durable import RUN_CONFIG, round_inputs, train_message
 
@@ -196,3 +196,89 @@ def test_a_private_simulation_logs_no_partition_and_round(tmp_path):
         logging.getLogger("flwr").removeHandler(handler)
     assert not [r.getMessage() for r in records if r.levelno >= logging.WARNING
                 and "artition" in r.getMessage()]
+
+
+def state_of_round_2(tmp_path):
+    """Partition 0 with round 1 committed and round 2 pending (token 7e)."""
+    grid = InProcessGrid(client_app.app, 2, RUN_CONFIG)
+    grid.contexts[1].node_config["state-dir"] = str(tmp_path)
+    shared, u_bar, _ = round_inputs()
+    for server_round in (1, 2, 3):
+        assert not grid.deliver(train_message(server_round, shared, u_bar,
+                                              node_id=1)).has_error()
+    folder = tmp_path / "digits-cnn-fedrep+fedspc-a0.5-s0"
+    return grid, folder, {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def without(key, record=False):
+    def edit(message):
+        if record:
+            del message.content.array_records[key]
+        else:
+            del message.content.config_records["config"][key]
+    return edit
+
+
+@pytest.mark.parametrize(("edit", "reason"), [
+    (without("run-token"), "carries 'accepted-rounds' but no 'run-token'"),
+    (set_config("run-token", ""), "carries 'accepted-rounds' but no 'run-token'"),
+    (without(GLOBAL_REFERENCE, record=True), "lacks the 'global-reference' arrays (u_bar)"),
+])
+def test_a_message_without_its_runs_identity_or_u_bar_touches_no_state(tmp_path, edit,
+                                                                       reason):
+    """Without a token a message read every run's files (and settled them); without
+    u_bar a FedSPC message got past the checks, settled and claimed, then failed."""
+    grid, folder, files = state_of_round_2(tmp_path)
+    shared, u_bar, _ = round_inputs()
+    # (an evaluation needs no u_bar: one without it is a usable message)
+    kinds = [MessageType.TRAIN] + ([MessageType.EVALUATE] if "u_bar" not in reason else [])
+    for message_type in kinds:
+        message = train_message(4, shared, u_bar, node_id=1)
+        message.metadata.message_type = message_type
+        edit(message)
+        reply = grid.deliver(message)
+        assert reply.has_error() and reason in reply.error.reason, reply.error
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == files
+
+
+def test_the_run_a_newer_one_took_the_partition_from_is_told_so(tmp_path):
+    grid, folder, files = state_of_round_2(tmp_path)
+    shared, u_bar, _ = round_inputs()
+    new_run = train_message(1, shared, u_bar, node_id=1)
+    new_run.content.config_records["config"]["run-token"] = "ab"
+    assert not grid.deliver(new_run).has_error()
+    reply = grid.deliver(train_message(4, shared, u_bar, node_id=1))  # the old run, late
+    assert reply.has_error() and "of another run with this run name (kept)" in (
+        reply.error.reason)
+
+
+def test_a_server_kept_u_k_is_refused_unless_the_run_keeps_them_on_the_server(tmp_path):
+    shared, u_bar, _ = round_inputs()
+
+    def kept(message):
+        message.content["client-reference"] = ArrayRecord(
+            {key: Array(value) for key, value in u_bar.items()})
+    reply, files = deliver(RUN_CONFIG, tmp_path, kept)
+    assert reply.has_error() and "not 'server-centre'" in reply.error.reason
+    assert files == []
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**400)])
+def test_a_huge_integer_is_refused_without_an_overflow(tmp_path, value):
+    for key, run_config in (("learning-rate", SCHEDULED), ("clipping-norm", RUN_CONFIG)):
+        reply, files = deliver(run_config, tmp_path, set_config(key, value))
+        assert reply.has_error() and "OverflowError" not in reply.error.reason
+        assert files == []
+
+
+@pytest.mark.parametrize("run_name", [" ", "  run", "run ", "a\u2028b", "a\u2029b"])
+def test_white_space_and_line_separators_make_no_run_name(run_name):
+    with pytest.raises(ConfigError, match="must be a plain name"):
+        parse_run_config({**RUN_CONFIG, "run-name": run_name})
+
+
+def test_a_run_folder_that_is_a_file_is_one_clear_error(tmp_path):
+    (tmp_path / "taken").write_text("not a folder")
+    reply, _ = deliver(RUN_CONFIG, tmp_path, set_config("run-name", "taken"))
+    assert reply.has_error() and "is a file" in reply.error.reason
+    assert "FileExistsError" not in reply.error.reason

@@ -575,18 +575,20 @@ RUN_NAME_BYTES = 200  # a folder's name (255 bytes at most) with room for lock f
 def check_run_name(run_name: object, what: str = "run-config 'run-name'") -> None:
     """A run name is a folder's name (the run's, its clients' state): a plain one, so
     that it cannot point outside the folder it is joined to: text without a slash or
-    backslash, not "." or "..", without control or format characters (a NUL, a line
-    break, a right-to-left override), at most :data:`RUN_NAME_BYTES` bytes in UTF-8."""
+    backslash, not "." or "..", without control, format or line-separator characters
+    (a NUL, a line break, a right-to-left override) or leading or trailing white
+    space, at most :data:`RUN_NAME_BYTES` bytes in UTF-8."""
     plain = (isinstance(run_name, str) and run_name not in ("", ".", "..")
-             and not any(c in "/\\" or unicodedata.category(c).startswith("C")
-                         for c in run_name)
+             and run_name == run_name.strip()  # (no name of spaces, nor one that ends so)
+             and not any(c in "/\\" or unicodedata.category(c)[0] == "C"
+                         or unicodedata.category(c) in ("Zl", "Zp") for c in run_name)
              and len(run_name.encode("utf-8", errors="replace")) <= RUN_NAME_BYTES)
     if not plain:
         shown = (f"a {type(run_name).__name__}" if not isinstance(run_name, str)
                  else repr(run_name[:60]) + ("…" if len(run_name) > 60 else ""))
         raise ConfigError(f"{what} must be a plain name (text of at most {RUN_NAME_BYTES} "
-                          "bytes, no slash, backslash or control character, not '.' or "
-                          f"'..'), got {shown}")
+                          "bytes, no slash, backslash, control character or white space "
+                          f"at its ends, not '.' or '..'), got {shown}")
 
 
 def _check_width(model: str, width: float) -> None:

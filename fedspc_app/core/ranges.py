@@ -30,12 +30,19 @@ FLOAT32_MAX = 3.4028234663852886e38
 LEARNING_RATE_RANGE = (1 / FLOAT32_MAX, FLOAT32_MAX)
 
 
+def is_number(value: object) -> bool:
+    """An int (not a bool) or a finite float; compared without converting an int to
+    float (``math.isfinite(10**400)`` raises OverflowError)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def usable_learning_rate(value: object) -> bool:
     """Whether ``value`` is a learning rate a client can train and divide by: an int or
     float (not a bool) within :data:`LEARNING_RATE_RANGE`."""
     low, high = LEARNING_RATE_RANGE
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value) and low <= value <= high)
+    return is_number(value) and low <= value <= high
 
 
 def learning_rate_range_text() -> str:
