@@ -263,16 +263,17 @@ class DurableState:
               ) -> tuple[dict, dict[str, dict[str, np.ndarray]]] | None:
         """``(meta, blocks)`` of the slot's file (blocks only when ``arrays``), or None:
         no file (or it went while being opened: another process committed or
-        discarded it), or, unless ``any_run``, a file of another run, when this store
-        has a run token."""
+        discarded it), or, unless ``any_run``, a file of another run token (a store
+        without one reads only files written without one: a message that names no run
+        never reads, commits or discards a run's state)."""
         path = self.path(slot)
         if not path.is_file():
             return None
         try:
             with np.load(path, allow_pickle=False) as data:
                 meta = json.loads(str(data["meta"][()]))
-                if not (any_run or not self.run_token or not isinstance(meta, dict)
-                        or meta.get("run-token") == self.run_token):
+                if not (any_run or not isinstance(meta, dict)
+                        or meta.get("run-token", "") == self.run_token):
                     return None
                 blocks: dict[str, dict[str, np.ndarray]] = {}
                 for name in data.files if arrays else ():
@@ -296,9 +297,10 @@ class DurableState:
             ) from error
         return meta, blocks
 
-    def read(self, slot: str = COMMITTED) -> ClientState | None:
-        """The state saved in ``slot``, or ``None`` when there is no file (or, for a
-        store with a run token, only a file of another run with this run name).
+    def read(self, slot: str = COMMITTED, *, any_run: bool = False) -> ClientState | None:
+        """The state saved in ``slot``, or ``None`` when there is no file (or only a
+        file of another run token, another run with this run name, unless ``any_run``:
+        an export, which names such a file rather than use it).
 
         Raises
         ------
@@ -306,7 +308,7 @@ class DurableState:
             If the file cannot be read or belongs to another run or partition:
             starting over silently is what this store exists to prevent.
         """
-        loaded = self._load(slot)
+        loaded = self._load(slot, any_run=any_run)
         if loaded is None:
             return None
         meta, blocks = loaded

@@ -73,7 +73,7 @@ from fedspc_app.core.ranges import (
     usable_learning_rate,
 )
 from fedspc_app.core.records import ArrayDict, to_record
-from fedspc_app.core.replies import check_arrays, decoded, shown
+from fedspc_app.core.replies import MAX_COUNT, check_arrays, decoded, shown
 from fedspc_app.data.run_data import load_partition
 from fedspc_app.models.run_model import initial_model
 from fedspc_app.models.split import ParameterSplit, parameter_split
@@ -189,9 +189,10 @@ def message_int(message: Message, key: str, minimum: int, default: int | None = 
             raise MessageError(f"the server's message lacks '{key}'")
         return default
     value = config[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise MessageError(f"the server's '{key}' must be an integer of at least "
-                          f"{minimum}, got {shown(value)}")
+    if isinstance(value, bool) or not isinstance(value, int) or not (
+            minimum <= value <= MAX_COUNT):
+        raise MessageError(f"the server's '{key}' must be an integer from {minimum} to "
+                           f"2^40, got {shown(value)}")
     return value
 
 
@@ -238,11 +239,11 @@ def message_decisions(message: Message, num_partitions: int) -> Decisions | None
                            f"'{RUN_TOKEN}' naming the run they are of")
     accepted = config[ACCEPTED_ROUNDS]
     if (not isinstance(accepted, list) or len(accepted) != num_partitions
-            or any(isinstance(r, bool) or not isinstance(r, int) or r < 0
+            or any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= MAX_COUNT
                    for r in accepted)):
         raise MessageError(f"the server's '{ACCEPTED_ROUNDS}' must be a list of "
-                          f"{num_partitions} integers of at least 0 (one per partition), "
-                          f"got {shown(accepted)}")
+                           f"{num_partitions} integers from 0 to 2^40 (one per partition), "
+                           f"got {shown(accepted)}")
     return Decisions(accepted, message_int(message, DURABLE_THROUGH, 0, default=0))
 
 
@@ -568,7 +569,7 @@ def query(message: Message, context: Context) -> Message:
             PARTITION_ID: setup.partition_id, **first_message_times(started_at)})}),
             reply_to=message)
     if kind != PARTITION_QUERY:
-        raise ValueError(f"unknown query {shown(kind)}")
+        raise MessageError(f"unknown query {shown(kind)}")
     config = node_run_config(context, message)
     partition_id, num_partitions = node_partition(message, context)
     client_data(config, partition_id, num_partitions)  # data, partition id and device

@@ -282,3 +282,30 @@ def test_a_run_folder_that_is_a_file_is_one_clear_error(tmp_path):
     reply, _ = deliver(RUN_CONFIG, tmp_path, set_config("run-name", "taken"))
     assert reply.has_error() and "is a file" in reply.error.reason
     assert "FileExistsError" not in reply.error.reason
+
+
+def test_a_message_that_names_no_run_never_reads_or_settles_a_runs_files(tmp_path):
+    """No token and no decisions (a server of one's own that sends neither): its
+    training and evaluation see no run's state (they start from the common initial
+    one) and leave every file of the run that owns the partition as it was."""
+    grid, folder, files = state_of_round_2(tmp_path)
+    shared, u_bar, _ = round_inputs()
+    for message_type in (MessageType.TRAIN, MessageType.EVALUATE):
+        message = train_message(4, shared, u_bar, node_id=1)
+        message.metadata.message_type = message_type
+        for key in ("run-token", "accepted-rounds", "durable-through"):
+            del message.content.config_records["config"][key]
+        assert not grid.deliver(message).has_error()
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == files
+
+
+@pytest.mark.parametrize("key", ["server-round", "durable-through", "accepted-rounds"])
+def test_an_integer_beyond_2_40_is_refused_before_the_state_is_touched(tmp_path, key):
+    grid, folder, files = state_of_round_2(tmp_path)
+    shared, u_bar, _ = round_inputs()
+    message = train_message(4, shared, u_bar, node_id=1)
+    message.content.config_records["config"][key] = (
+        [3, 10**5000] if key == "accepted-rounds" else 10**5000)
+    reply = grid.deliver(message)
+    assert reply.has_error() and f"'{key}'" in reply.error.reason
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == files

@@ -225,7 +225,8 @@ def test_files_of_another_run_are_never_read_as_this_runs_state(tmp_path):
     store_in(tmp_path, token="a").write(sample_state(1), PENDING)
     assert store_in(tmp_path, token="b").read(PENDING) is None
     assert store_in(tmp_path, token="b").token_of(PENDING) == "a"
-    assert store_in(tmp_path, token="").read(PENDING).round == 1  # (export reads any)
+    assert store_in(tmp_path, token="").read(PENDING) is None  # (no token: no run's)
+    assert store_in(tmp_path, token="").read(PENDING, any_run=True).round == 1  # (export)
 
 
 def test_settle_claims_the_partition_under_its_lock(tmp_path):
@@ -638,7 +639,7 @@ def test_a_node_without_state_dir_writes_only_where_its_simulation_server_marked
     reply = grid.deliver(message)
     assert reply.has_error() == (method == "fedrep")  # (no run.json: it stops)
     assert sorted(p.name for p in (victim / "myrun").iterdir()) == ["partition-0.npz"]
-    assert DurableState(victim / "myrun", "myrun", 0).read().round == 3
+    assert DurableState(victim / "myrun", "myrun", 0, "someone-else").read().round == 3
 
 
 MISSING = object()
