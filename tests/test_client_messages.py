@@ -242,7 +242,7 @@ def test_a_message_without_its_runs_identity_or_u_bar_touches_no_state(tmp_path,
 
 
 def test_the_run_a_newer_one_took_the_partition_from_is_told_so(tmp_path):
-    grid, folder, files = state_of_round_2(tmp_path)
+    grid, _, _ = state_of_round_2(tmp_path)
     shared, u_bar, _ = round_inputs()
     new_run = train_message(1, shared, u_bar, node_id=1)
     new_run.content.config_records["config"]["run-token"] = "ab"
@@ -253,7 +253,7 @@ def test_the_run_a_newer_one_took_the_partition_from_is_told_so(tmp_path):
 
 
 def test_a_server_kept_u_k_is_refused_unless_the_run_keeps_them_on_the_server(tmp_path):
-    shared, u_bar, _ = round_inputs()
+    _, u_bar, _ = round_inputs()
 
     def kept(message):
         message.content["client-reference"] = ArrayRecord(
