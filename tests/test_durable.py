@@ -472,7 +472,7 @@ def test_restarted_client_without_state_dir_starts_over_and_warns(tmp_path, flwr
     assert any("was lost" in m and "u_k = 0" in m and "round 1" in m for m in warnings)
 
 
-def test_memory_state_behind_the_server_says_it_continues_from_it(flwr_log):
+def test_memory_state_behind_the_server_says_it_continues_from_it(flwr_log, task_identity):
     """In memory, a straggler's copy of the state that finishes last replaces the newer
     one: the client goes on from the round it holds, and its warning says so."""
     shared, u_bar, split = round_inputs()
