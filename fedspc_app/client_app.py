@@ -578,8 +578,8 @@ def query(message: Message, context: Context) -> Message:
                                   config.resolved_run_name, partition_id, deployment=True,
                                   checkpoint=config.checkpoint)
     if store is not None:  # an unreadable state file fails now, not in the middle of the run
-        store.read()
-        store.read(PENDING)
+        store.read(any_run=True)
+        store.read(PENDING, any_run=True)
     log(INFO, "Partition %d of %d: %d training and %d test images; client state %s",
         partition_id, num_partitions, int(partition.train_counts()[partition_id].sum()),
         int(partition.test_counts()[partition_id].sum()),
