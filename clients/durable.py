@@ -53,12 +53,20 @@ PRIVATE_FILE = 0o600  # a client's state files: personalized models, u_k
 PRIVATE_FOLDER = 0o700  # the folder of a run's client state
 
 
+class DurableStateError(FedSPCError, RuntimeError):
+    """A state file exists but cannot be used."""
+
+
 def private_folder(folder: Path) -> None:
     """Create ``folder`` if missing, for its owner only (missing parents get the
     usual mode): it holds the clients' personalized models, which never leave them.
     One that exists with access for others is made private if this user owns it
     (another user's folder is used as found: a shared filesystem may map owners)."""
-    folder.mkdir(mode=PRIVATE_FOLDER, parents=True, exist_ok=True)
+    try:
+        folder.mkdir(mode=PRIVATE_FOLDER, parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise DurableStateError(f"cannot keep client state in {folder}: it, or a folder "
+                                "above it, is a file") from None
     info = folder.stat()
     if info.st_uid == os.getuid() and info.st_mode & 0o077:
         folder.chmod(PRIVATE_FOLDER)
@@ -77,10 +85,6 @@ def write_view_marker(folder: Path, run_name: str, run_token: str) -> None:
     private_folder(folder)
     with atomic_open(folder / VIEW_MARKER) as handle:
         handle.write(json.dumps({"run-name": run_name, "run-token": run_token}).encode())
-
-
-class DurableStateError(FedSPCError, RuntimeError):
-    """A state file exists but cannot be used."""
 
 
 @dataclass(frozen=True)
@@ -211,7 +215,6 @@ class DurableState:
         <clients.state.ClientLedger.settle>`), so that a straggler of that earlier run
         cannot stage between the removal and this run's use of the files; from then
         on its :meth:`stage` sees the new owner and keeps nothing."""
-        self._remove_leftovers()
         stale = False
         for slot in (COMMITTED, PENDING):
             meta = self._meta(slot, any_run=True)
@@ -227,9 +230,10 @@ class DurableState:
                 os.close(fd)
         return stale
 
-    def _remove_leftovers(self) -> None:
+    def remove_leftovers(self) -> None:
         """Remove the temporary files of this partition's writes that a killed process
-        left (they hold u_k; under the lock, no write of the partition is under way)."""
+        left (they hold u_k). Called under :meth:`lock`, when no write of the partition
+        is under way (:meth:`ClientLedger.settle <clients.state.ClientLedger.settle>`)."""
         for slot in (COMMITTED, PENDING):
             for leftover in self.directory.glob(f".{self.path(slot).name}.*.tmp"):
                 leftover.unlink(missing_ok=True)
@@ -259,16 +263,17 @@ class DurableState:
               ) -> tuple[dict, dict[str, dict[str, np.ndarray]]] | None:
         """``(meta, blocks)`` of the slot's file (blocks only when ``arrays``), or None:
         no file (or it went while being opened: another process committed or
-        discarded it), or, unless ``any_run``, a file of another run, when this store
-        has a run token."""
+        discarded it), or, unless ``any_run``, a file of another run token (a store
+        without one reads only files written without one: a message that names no run
+        never reads, commits or discards a run's state)."""
         path = self.path(slot)
         if not path.is_file():
             return None
         try:
             with np.load(path, allow_pickle=False) as data:
                 meta = json.loads(str(data["meta"][()]))
-                if not (any_run or not self.run_token or not isinstance(meta, dict)
-                        or meta.get("run-token") == self.run_token):
+                if not (any_run or not isinstance(meta, dict)
+                        or meta.get("run-token", "") == self.run_token):
                     return None
                 blocks: dict[str, dict[str, np.ndarray]] = {}
                 for name in data.files if arrays else ():
@@ -292,9 +297,10 @@ class DurableState:
             ) from error
         return meta, blocks
 
-    def read(self, slot: str = COMMITTED) -> ClientState | None:
-        """The state saved in ``slot``, or ``None`` when there is no file (or, for a
-        store with a run token, only a file of another run with this run name).
+    def read(self, slot: str = COMMITTED, *, any_run: bool = False) -> ClientState | None:
+        """The state saved in ``slot``, or ``None`` when there is no file (or only a
+        file of another run token, another run with this run name, unless ``any_run``:
+        an export, which names such a file rather than use it).
 
         Raises
         ------
@@ -302,7 +308,7 @@ class DurableState:
             If the file cannot be read or belongs to another run or partition:
             starting over silently is what this store exists to prevent.
         """
-        loaded = self._load(slot)
+        loaded = self._load(slot, any_run=any_run)
         if loaded is None:
             return None
         meta, blocks = loaded

@@ -292,6 +292,13 @@ def train_client(
         change = reference_change(
             update, local_reference if level else global_reference, steps=shared_steps,
             learning_rate=config.learning_rate)
+        if not all(np.all(np.isfinite(value)) for value in change.values()):
+            # (1/(E eta) overflowing, or an update too large for float32): staged, such
+            # a u_k would break every later round of this client
+            raise DivergenceError(
+                f"client {partition_id} diverged in round {server_round}: its reference "
+                f"change (the update over E * eta, E = {shared_steps}, eta = "
+                f"{config.learning_rate:g}) is not finite")
         new_reference = add(local_reference, change)
 
     new_state = ClientState(

@@ -115,6 +115,8 @@ class StateStore(Protocol):
 
     def claim(self) -> bool: ...
 
+    def remove_leftovers(self) -> None: ...
+
 
 @dataclass
 class Decisions:
@@ -176,16 +178,21 @@ class ClientLedger:
         else:
             clear_slot(self.records, PENDING)
 
-    def settle(self, decisions: Decisions | None, partition_id: int) -> ClientState:
+    def settle(self, decisions: Decisions | None, partition_id: int, *,
+               claim: bool = False) -> ClientState:
         """Commit or discard the pending state as the server decided; return the state
         this client now stands on (a pending state the server accepted but has not yet
         checkpointed is used, not committed). ``decisions`` None: a server that sends
-        none, whose every reply counts as accepted (the pending state is committed)."""
+        none, whose every reply counts as accepted (the pending state is committed).
+        With ``claim``, the store's files of an earlier run of this run name are
+        removed first (:attr:`claimed` says whether there were any)."""
         # Under the store's lock: a straggler's stage cannot slip in between the read
         # of the pending state and its commit, nor a straggler of an earlier run of
         # this name between the claim and the read.
         with self.store.lock() if self.store is not None else nullcontext():
-            self.claimed = self.store is not None and self.store.claim()
+            if self.store is not None:
+                self.store.remove_leftovers()
+            self.claimed = claim and self.store is not None and self.store.claim()
             pending = self.read(PENDING)
             if pending is not None:
                 if decisions is None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import math
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -12,6 +11,7 @@ from dataclasses import dataclass, replace
 from logging import INFO, WARNING
 
 import numpy as np
+import torch
 from flwr.app import Context, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
@@ -21,7 +21,7 @@ from clients import ClientJob, evaluate_client, train_client
 from clients.attack import attacked_reference_change, attacked_reply, is_attacker
 from clients.durable import DurableState
 from clients.held_out import evaluate_new_client, is_held_out
-from clients.local import keeps_client_state
+from clients.local import keeps_client_state, uses_control_variates
 from clients.state import (
     PENDING,
     ClientLedger,
@@ -32,7 +32,7 @@ from clients.state import (
 from fedspc_app import IMPORT_STARTED_AT
 from fedspc_app.core import startup
 from fedspc_app.core.config import RunConfig, check_run_name, parse_run_config
-from fedspc_app.core.errors import ConfigError, FedSPCError
+from fedspc_app.core.errors import ConfigError, MessageError
 from fedspc_app.core.methods import Method, get_method
 from fedspc_app.core.protocol import (
     ACCEPTED_ROUNDS,
@@ -66,7 +66,14 @@ from fedspc_app.core.protocol import (
     WARM_UP_QUERY,
     WORK_SECONDS,
 )
-from fedspc_app.core.records import ArrayDict, from_record, to_record
+from fedspc_app.core.ranges import (
+    FLOAT32_MAX,
+    is_number,
+    learning_rate_range_text,
+    usable_learning_rate,
+)
+from fedspc_app.core.records import ArrayDict, to_record
+from fedspc_app.core.replies import MAX_COUNT, check_arrays, decoded, shown
 from fedspc_app.data.run_data import load_partition
 from fedspc_app.models.run_model import initial_model
 from fedspc_app.models.split import ParameterSplit, parameter_split
@@ -162,12 +169,13 @@ def node_run_config(context: Context, message: Message | None = None) -> RunConf
     data_dir = str(context.node_config.get("data-dir", "") or "")
     if data_dir:
         config = config.replace(data_dir=data_dir)
-    run_name = message_config(message).get(RUN_NAME) if message is not None else None
-    if not run_name:
+    if message is None or RUN_NAME not in message_config(message):
         return config
-    # It names the folder of this client's state (state-dir): checked as the run-config's.
-    check_run_name(str(run_name), "the run name the server sent")
-    return config.replace(run_name=str(run_name))
+    run_name = message_config(message)[RUN_NAME]
+    # It names the folder of this client's state (state-dir): checked as the run-config's
+    # (text only: a number or a list is not turned into a folder's name).
+    check_run_name(run_name, "the run name the server sent")
+    return config.replace(run_name=run_name)
 
 
 def message_int(message: Message, key: str, minimum: int, default: int | None = None
@@ -178,12 +186,13 @@ def message_int(message: Message, key: str, minimum: int, default: int | None = 
     config = message_config(message)
     if key not in config:
         if default is None:
-            raise FedSPCError(f"the server's message lacks '{key}'")
+            raise MessageError(f"the server's message lacks '{key}'")
         return default
     value = config[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise FedSPCError(f"the server's '{key}' must be an integer of at least "
-                          f"{minimum}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not (
+            minimum <= value <= MAX_COUNT):
+        raise MessageError(f"the server's '{key}' must be an integer from {minimum} to "
+                           f"2^40, got {shown(value)}")
     return value
 
 
@@ -192,7 +201,7 @@ def message_flag(message: Message, key: str) -> bool:
     as "false" is refused, not taken as true."""
     value = message_config(message).get(key, False)
     if not isinstance(value, bool):
-        raise FedSPCError(f"the server's '{key}' must be true or false, got {value!r}")
+        raise MessageError(f"the server's '{key}' must be true or false, got {shown(value)}")
     return value
 
 
@@ -202,8 +211,8 @@ def message_token(message: Message) -> str:
     refused, as it is written beside the client state and compared with it."""
     value = message_config(message).get(RUN_TOKEN, "")
     if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{0,64}", value):
-        raise FedSPCError(f"the server's '{RUN_TOKEN}' must be a text of at most 64 "
-                          f"hexadecimal digits, got {value!r}")
+        raise MessageError(f"the server's '{RUN_TOKEN}' must be a text of at most 64 "
+                          f"hexadecimal digits, got {shown(value)}")
     return value
 
 
@@ -225,13 +234,16 @@ def message_decisions(message: Message, num_partitions: int) -> Decisions | None
     config = message_config(message)
     if ACCEPTED_ROUNDS not in config:
         return None
+    if not message_token(message):  # (the files' owner: decisions are of one run)
+        raise MessageError(f"the server's message carries '{ACCEPTED_ROUNDS}' but no "
+                           f"'{RUN_TOKEN}' naming the run they are of")
     accepted = config[ACCEPTED_ROUNDS]
     if (not isinstance(accepted, list) or len(accepted) != num_partitions
-            or any(isinstance(r, bool) or not isinstance(r, int) or r < 0
+            or any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= MAX_COUNT
                    for r in accepted)):
-        raise FedSPCError(f"the server's '{ACCEPTED_ROUNDS}' must be a list of "
-                          f"{num_partitions} integers of at least 0 (one per partition), "
-                          f"got {accepted!r}")
+        raise MessageError(f"the server's '{ACCEPTED_ROUNDS}' must be a list of "
+                           f"{num_partitions} integers from 0 to 2^40 (one per partition), "
+                           f"got {shown(accepted)}")
     return Decisions(accepted, message_int(message, DURABLE_THROUGH, 0, default=0))
 
 
@@ -263,17 +275,22 @@ class ClientSetup:
         config = node_run_config(context, message)
         round_rate = message_config(message).get(ROUND_LEARNING_RATE)
         if round_rate is not None:  # lr-schedule: this round's η, the one FedSPC divides by
-            if (isinstance(round_rate, bool) or not isinstance(round_rate, (int, float))
-                    or not math.isfinite(round_rate) or round_rate <= 0):
-                raise FedSPCError(f"the round's '{ROUND_LEARNING_RATE}' must be a positive "
-                                  f"finite number, got {round_rate!r}")
+            if config.lr_schedule == "constant":
+                raise MessageError(f"the server sent a round's '{ROUND_LEARNING_RATE}', but "
+                                  "the run's lr-schedule is 'constant'")
+            if not usable_learning_rate(round_rate):
+                raise MessageError(f"the round's '{ROUND_LEARNING_RATE}' must be "
+                                  f"{learning_rate_range_text()}, got {shown(round_rate)}")
             config = config.replace(learning_rate=float(round_rate))
         round_norm = message_config(message).get(CLIPPING_NORM)
         if round_norm is not None:  # adaptive clipping: this round's C_t, clip to it
-            if (isinstance(round_norm, bool) or not isinstance(round_norm, (int, float))
-                    or not math.isfinite(round_norm) or round_norm <= 0):
-                raise FedSPCError(f"the round's '{CLIPPING_NORM}' must be a positive "
-                                  f"finite number, got {round_norm!r}")
+            if not (config.dp and config.dp_clipping_quantile > 0):
+                raise MessageError(f"the server sent a round's '{CLIPPING_NORM}', but the "
+                                  "run has no adaptive clipping (dp-clipping-norm > 0 and "
+                                  "dp-clipping-quantile > 0)")
+            if not is_number(round_norm) or not 0 < round_norm <= FLOAT32_MAX:
+                raise MessageError(f"the round's '{CLIPPING_NORM}' must be a positive "
+                                   f"float32 number, got {shown(round_norm)}")
             config = config.replace(dp_clipping_norm=float(round_norm))
         apply_determinism(config.deterministic)
         method = get_method(config.method)
@@ -304,9 +321,15 @@ class ClientSetup:
         """Whether this method has client state worth keeping between rounds."""
         return keeps_client_state(self.method, self.config, self.split)
 
-    def load_state(self, message: Message, context: Context) -> tuple[ClientLedger,
-                                                                      ClientState]:
-        """Settle the pending state as the server decided; the state to work from."""
+    def load_state(self, message: Message, context: Context, *, claim: bool = False
+                   ) -> tuple[ClientLedger, ClientState]:
+        """Settle the pending state as the server decided; the state to work from.
+
+        With ``claim`` (a training message), files an earlier run of this run name left
+        are removed (:meth:`DurableState.claim <clients.durable.DurableState.claim>`),
+        but only while the server has aggregated no reply of this partition: a
+        message that says it has is not a new run's, whatever its token, and another
+        run's files then stop the client instead of being removed."""
         ledger = ClientLedger(context.state, self.store)
         if self.store is not None and self.store.marked:
             self.store.check_view()  # a simulation: the folder as its server wrote it
@@ -321,7 +344,9 @@ class ClientSetup:
                 "this client starts again from the common initial personalized parameters "
                 "and u_k = 0. Start it with --node-config \"... state-dir='/var/lib/fedspc'\" "
                 "to keep it on disk.", where)
-        state = ledger.settle(decisions, self.partition_id)  # (claims the files first)
+        claim = (claim and decisions.accepted_round(self.partition_id) == 0
+                 and self.store is not None and bool(self.store.run_token))
+        state = ledger.settle(decisions, self.partition_id, claim=claim)  # (claim first)
         if ledger.claimed and (self.deployment or not self.config.dp):  # (not in a private
             # simulation's shared log, where it would say when a client first trained)
             log(INFO, "Removed the saved client state of an earlier run named like this one "
@@ -335,11 +360,14 @@ class ClientSetup:
                 f"last aggregated this client's reply in round {accepted}: the state "
                 "belongs to another run with this run name; remove it or pick a run-name")
         if self.store is not None:
+            other = (self.store.owner() not in ("", self.store.run_token)
+                     or self.store.token_of() not in (None, self.store.run_token))
             raise ClientStateError(
                 f"the server last aggregated the reply of {where} in round {accepted}, but "
                 f"the saved state in {self.store.directory} is from round {state.round}: "
-                "the client state was lost or replaced")
-        if self.keeps_state:
+                + ("the files there are of another run with this run name (kept)"
+                   if other else "the client state was lost or replaced"))
+        if self.keeps_state and (self.deployment or not self.config.dp):  # (as above)
             log(WARNING, "Client state of %s was lost (it lived only in memory: a restart "
                 "loses it, a straggler's copy finishing last replaces it): this client "
                 "continues from the state of round %d it holds (round 0: the common initial "
@@ -347,40 +375,62 @@ class ClientSetup:
                 "reply in round %d", where, state.round, accepted)
         return ledger, replace(state, round=accepted)
 
-    def job(self, message: Message, state: ClientState) -> ClientJob:
+    def received_block(self, message: Message) -> ArrayDict:
+        """The shared block the message carries: exactly this method's shared entries,
+        each of its dtype and shape in the model (:func:`message_arrays`)."""
+        model_state = self.model.state_dict()
+        return message_arrays(message, ARRAYS, "this method's shared block",
+                              {key: like(model_state[key]) for key in self.split.shared})
+
+    def job(self, received: ArrayDict, state: ClientState) -> ClientJob:
         """This round's work for :func:`train_client` or :func:`evaluate_client`."""
-        received = from_record(message.content.array_records[ARRAYS])
-        if set(received) != set(self.split.shared):
-            raise ValueError("the server sent arrays that are not this method's shared block")
         return ClientJob(self.config, self.method, self.model, self.split, received, state,
                          self.data, server_round=self.server_round,
                          partition_id=self.partition_id)
 
 
-def reference_fits(reference: ArrayDict, shapes: Mapping[str, tuple[int, ...]]) -> bool:
-    """Whether a reference (u_bar, or a u_k) has exactly the keys of ``shapes``, each
-    array of its shape, float32 and finite: numpy would broadcast a wrong shape into
-    the correction silently, and a non-finite value would spread to every u_k."""
-    return set(reference) == set(shapes) and all(
-        np.shape(reference[key]) == tuple(shape)
-        and np.asarray(reference[key]).dtype == np.float32
-        and bool(np.all(np.isfinite(reference[key]))) for key, shape in shapes.items())
+def like(tensor: torch.Tensor) -> np.ndarray:
+    """An array with ``tensor``'s shape and dtype that allocates nothing (a reference
+    for :func:`message_arrays`)."""
+    return np.broadcast_to(np.zeros((), torch.empty(0, dtype=tensor.dtype).numpy().dtype),
+                           tuple(tensor.shape))
+
+
+def message_arrays(message: Message, name: str, what: str,
+                   references: Mapping[str, np.ndarray]) -> ArrayDict:
+    """The ArrayRecord ``name`` of a server message (``what`` it is, for the error),
+    checked as the server checks a client's (:func:`fedspc_app.core.replies.check_arrays`):
+    exactly the keys of ``references``, each of its dtype and shape (read from the .npy
+    header before any data is decoded: a header that declares a huge array allocates
+    nothing), entries finite and within ±1e9. A dtype is never converted: float64 or
+    float16 arrays, numbers as text, would otherwise train silently. Returns writable
+    copies.
+
+    Raises
+    ------
+    MessageError
+        Naming the record and the first problem.
+    """
+    record = message.content.array_records.get(name)
+    if record is None:
+        raise MessageError(f"the server's message lacks the '{name}' arrays ({what})")
+    problem = check_arrays(name, record, references)
+    if problem:
+        raise MessageError(f"the server sent {what} that does not fit: {problem}")
+    return {key: np.array(decoded(array)) for key, array in record.items()}
 
 
 def global_reference_of(message: Message, setup: ClientSetup) -> ArrayDict | None:
     """u_bar as the message carries it (``None``: none sent). It must have exactly the
     corrected keys (the shared trainable parameters), each of its parameter's shape,
-    float32 and finite."""
+    float32, finite and within ±1e9: numpy would broadcast a wrong shape into the
+    correction silently, and a non-finite value would spread to every u_k."""
     if GLOBAL_REFERENCE not in message.content.array_records:
         return None
-    reference = from_record(message.content.array_records[GLOBAL_REFERENCE])
     model_state = setup.model.state_dict()
-    shapes = {key: tuple(model_state[key].shape) for key in setup.split.corrected}
-    if not reference_fits(reference, shapes):
-        raise ValueError("the server sent a global reference u_bar that does not match "
-                         "the corrected parameters' keys and shapes, or is not float32 "
-                         "and finite")
-    return reference
+    return message_arrays(message, GLOBAL_REFERENCE, "a global reference u_bar",
+                          {key: np.broadcast_to(np.float32(0), tuple(model_state[key].shape))
+                           for key in setup.split.corrected})
 
 
 def server_kept_reference(message: Message,
@@ -390,12 +440,9 @@ def server_kept_reference(message: Message,
     must have u_bar's keys, shapes and dtype, and be finite."""
     if CLIENT_REFERENCE_RECORD not in message.content.array_records:
         return None
-    kept = from_record(message.content.array_records[CLIENT_REFERENCE_RECORD])
-    if not reference_fits(kept, {key: np.shape(value)
-                                 for key, value in global_reference.items()}):
-        raise ValueError("the server sent a client reference that does not match u_bar's "
-                         "keys, shapes and float32 dtype, or is not finite")
-    return kept
+    return message_arrays(message, CLIENT_REFERENCE_RECORD, "a client reference",
+                          {key: np.broadcast_to(np.float32(0), np.shape(value))
+                           for key, value in global_reference.items()})
 
 
 def timings(started: float, working: float, finished: float) -> dict[str, float]:
@@ -421,16 +468,26 @@ def train(message: Message, context: Context) -> Message:
         raise ConfigError(f"partition {setup.partition_id} is a held-out client "
                           f"(held-out-clients = {setup.config.held_out_clients}): it never "
                           "trains")
-    ledger, state = setup.load_state(message, context)
+    # Everything the message carries is checked before the client's state is touched:
+    # a message it cannot use settles no decision, claims nothing and writes nothing.
+    received = setup.received_block(message)
     global_reference = global_reference_of(message, setup)
-    if global_reference is not None:
-        kept = server_kept_reference(message, global_reference)
-        if kept is not None:  # fedspc-reference = "server-centre": the server's u_k
-            state = replace(state, local_reference=kept)
-    job = setup.job(message, state)
+    if global_reference is None and uses_control_variates(setup.method, setup.config):
+        raise MessageError(f"the server's message lacks the '{GLOBAL_REFERENCE}' arrays "
+                           "(u_bar), which the control variates train with")
+    kept = (server_kept_reference(message, global_reference)
+            if global_reference is not None else None)
+    if kept is not None and setup.config.reference_rule != "server-centre":
+        raise MessageError(f"the server sent this client's u_k, but the run's "
+                           f"fedspc-reference is {setup.config.reference_rule!r}, not "
+                           "'server-centre'")
+    ledger, state = setup.load_state(message, context, claim=True)
+    if kept is not None:  # fedspc-reference = "server-centre": the server's u_k
+        state = replace(state, local_reference=kept)
+    job = setup.job(received, state)
     working = time.perf_counter()
     outcome = train_client(job, global_reference=global_reference)
-    if not ledger.stage(outcome.state):
+    if not ledger.stage(outcome.state) and (setup.deployment or not setup.config.dp):
         log(WARNING, "Partition %d finished training round %d after a later round (or a "
             "newer run of this run name) had already trained (its reply came too late): "
             "the later state is kept, this round's is not", setup.partition_id,
@@ -467,8 +524,9 @@ def evaluate(message: Message, context: Context) -> Message:
             f"{'' if setup.held_out else 'not '}a held-out client (held-out-clients = "
             f"{setup.config.held_out_clients}), but the server "
             f"{'did not evaluate' if setup.held_out else 'evaluated'} it as one")
+    received = setup.received_block(message)  # (checked before the state is touched)
     state = ClientState() if held_out else setup.load_state(message, context)[1]
-    job = setup.job(message, state)
+    job = setup.job(received, state)
     working = time.perf_counter()
     outcome = evaluate_new_client(job) if held_out else evaluate_client(job)
     metrics = MetricRecord({
@@ -511,7 +569,7 @@ def query(message: Message, context: Context) -> Message:
             PARTITION_ID: setup.partition_id, **first_message_times(started_at)})}),
             reply_to=message)
     if kind != PARTITION_QUERY:
-        raise ValueError(f"unknown query {kind!r}")
+        raise MessageError(f"unknown query {shown(kind)}")
     config = node_run_config(context, message)
     partition_id, num_partitions = node_partition(message, context)
     client_data(config, partition_id, num_partitions)  # data, partition id and device
@@ -520,8 +578,8 @@ def query(message: Message, context: Context) -> Message:
                                   config.resolved_run_name, partition_id, deployment=True,
                                   checkpoint=config.checkpoint)
     if store is not None:  # an unreadable state file fails now, not in the middle of the run
-        store.read()
-        store.read(PENDING)
+        store.read(any_run=True)
+        store.read(PENDING, any_run=True)
     log(INFO, "Partition %d of %d: %d training and %d test images; client state %s",
         partition_id, num_partitions, int(partition.train_counts()[partition_id].sum()),
         int(partition.test_counts()[partition_id].sum()),

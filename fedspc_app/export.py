@@ -242,7 +242,7 @@ def saved_state(run: RunFolder, client: int,
     for folder in state_folders(run, client_state):
         store = DurableState(folder, run.config.resolved_run_name, client)
         for slot in (COMMITTED, PENDING):
-            state = store.read(slot)
+            state = store.read(slot, any_run=True)  # (another run's is named, not used)
             if state is None:
                 continue
             ours = not token or store.token_of(slot) == token

@@ -225,7 +225,8 @@ def test_files_of_another_run_are_never_read_as_this_runs_state(tmp_path):
     store_in(tmp_path, token="a").write(sample_state(1), PENDING)
     assert store_in(tmp_path, token="b").read(PENDING) is None
     assert store_in(tmp_path, token="b").token_of(PENDING) == "a"
-    assert store_in(tmp_path, token="").read(PENDING).round == 1  # (export reads any)
+    assert store_in(tmp_path, token="").read(PENDING) is None  # (no token: no run's)
+    assert store_in(tmp_path, token="").read(PENDING, any_run=True).round == 1  # (export)
 
 
 def test_settle_claims_the_partition_under_its_lock(tmp_path):
@@ -233,7 +234,7 @@ def test_settle_claims_the_partition_under_its_lock(tmp_path):
     store_in(tmp_path, token="a").write(sample_state(1), PENDING)
     ledger = ClientLedger(RecordDict(), store_in(tmp_path, token="b"))
     settled = []
-    late = threading.Thread(target=lambda: settled.append(ledger.settle(decided(1, 1), 0)))
+    late = threading.Thread(target=lambda: settled.append(ledger.settle(decided(1, 1), 0, claim=True)))
     with store_in(tmp_path).lock():
         late.start()
         late.join(timeout=0.3)
@@ -252,7 +253,7 @@ def test_a_straggler_of_an_earlier_run_with_this_name_keeps_nothing(tmp_path,
     store_in(tmp_path, token="a").write(sample_state(49))
     old = ClientLedger(RecordDict(), store_in(tmp_path, token="a"))
     new = ClientLedger(RecordDict(), store_in(tmp_path, token="b"))
-    assert new.settle(decided(0, 0), 0).round == 0 and new.claimed  # b's round 1
+    assert new.settle(decided(0, 0), 0, claim=True).round == 0 and new.claimed  # b's round 1
     if not straggler_last:
         assert old.stage(sample_state(50)) is False
     assert new.stage(ClientState(rounds_trained=1, round=1)) is True
@@ -471,7 +472,7 @@ def test_restarted_client_without_state_dir_starts_over_and_warns(tmp_path, flwr
     assert any("was lost" in m and "u_k = 0" in m and "round 1" in m for m in warnings)
 
 
-def test_memory_state_behind_the_server_says_it_continues_from_it(flwr_log):
+def test_memory_state_behind_the_server_says_it_continues_from_it(flwr_log, task_identity):
     """In memory, a straggler's copy of the state that finishes last replaces the newer
     one: the client goes on from the round it holds, and its warning says so."""
     shared, u_bar, split = round_inputs()
@@ -488,10 +489,14 @@ def test_memory_state_behind_the_server_says_it_continues_from_it(flwr_log):
                and "in round 4" in m for m in warnings)
 
 
-@pytest.mark.parametrize("run_name", ["../../escape", "a/b", ".", ".."])
+@pytest.mark.parametrize("run_name", [
+    "../../escape", "a/b", ".", "..", "", "a\\b", "a\x00b", "evil\n", "\u202eexe.txt",
+    "r" * 201, 5, True, ["x"], b"bytes"])
 def test_a_run_name_that_is_not_a_plain_name_is_refused(tmp_path, run_name):
     """The run name a message carries names the folder of the client's state under
-    state-dir: it cannot point outside it."""
+    state-dir: it cannot point outside it, hide a line break or a right-to-left
+    override, or exceed a folder name's length; and it is text (a number or a list is
+    not turned into a folder name)."""
     grid = InProcessGrid(client_app.app, 2, RUN_CONFIG)
     grid.contexts[1].node_config["state-dir"] = str(tmp_path / "a" / "b" / "state")
     shared, u_bar, _ = round_inputs()
@@ -499,9 +504,10 @@ def test_a_run_name_that_is_not_a_plain_name_is_refused(tmp_path, run_name):
     message.content.config_records["config"]["run-name"] = run_name
     reply = grid.deliver(message)
     assert reply.has_error()
-    assert f"the run name the server sent must be a plain name, got {run_name!r}" in (
-        reply.error.reason)
-    assert not list(tmp_path.rglob("partition-*"))
+    assert "the run name the server sent must be a plain name" in reply.error.reason
+    assert (repr(run_name[:60]) if isinstance(run_name, str)
+            else f"a {type(run_name).__name__}") in reply.error.reason
+    assert not list(tmp_path.rglob("*"))  # not even a folder or a lock
 
 
 def test_no_memory_only_warning_in_simulation(tmp_path, flwr_log):
@@ -517,21 +523,55 @@ def test_no_memory_only_warning_in_simulation(tmp_path, flwr_log):
     assert not [r for r in flwr_log if r.levelno >= logging.WARNING]
 
 
-def test_a_failed_round_settles_the_decision_but_stages_nothing(tmp_path):
+def test_a_message_the_client_cannot_use_touches_no_state(tmp_path):
+    """A message refused for its arrays settles no decision (its decisions are as
+    untrusted as the rest of it), stages nothing and claims nothing, whatever its
+    token; the next usable message settles round 2 as the server decided."""
     grid = InProcessGrid(client_app.app, 2, RUN_CONFIG)
     grid.contexts[1].node_config["state-dir"] = str(tmp_path)
     shared, u_bar, _ = round_inputs()
     assert not grid.deliver(train_message(1, shared, u_bar, node_id=1)).has_error()
     assert not grid.deliver(train_message(2, shared, u_bar, node_id=1)).has_error()
     folder = tmp_path / "digits-cnn-fedrep+fedspc-a0.5-s0"
-    round_2 = (folder / "partition-0.pending.npz").read_bytes()
-    broken = train_message(3, shared, u_bar, node_id=1)  # says: round 2 was aggregated
-    broken.content[GLOBAL_REFERENCE] = ArrayRecord()  # the client cannot train with this
-    assert grid.deliver(broken).has_error()
-    # Round 2 is committed (the server's decision stands); the failed round 3 left nothing.
+    files = {p.name: p.read_bytes() for p in folder.iterdir()}
+    round_2 = files["partition-0.pending.npz"]
+    for token in ("7e", "ab"):  # this run's token, and another run's
+        broken = train_message(3, shared, u_bar, node_id=1)  # says: round 2 was aggregated
+        broken.content.config_records["config"]["run-token"] = token
+        broken.content[GLOBAL_REFERENCE] = ArrayRecord()  # the client cannot train with this
+        assert grid.deliver(broken).has_error()
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == files
+    assert not grid.deliver(train_message(3, shared, u_bar, node_id=1)).has_error()
+    assert (folder / "partition-0.npz").read_bytes() == round_2  # committed now
+
+
+def test_only_a_new_runs_training_message_removes_another_runs_files(tmp_path):
+    """Files of another run of this run name are removed by a training message that
+    says the server has aggregated nothing of this partition yet (a new run), never by
+    an evaluation message or by one that says it has: that one stops the client with
+    the files kept."""
+    grid = InProcessGrid(client_app.app, 2, RUN_CONFIG)
+    grid.contexts[1].node_config["state-dir"] = str(tmp_path)
+    shared, u_bar, _ = round_inputs()
+    assert not grid.deliver(train_message(1, shared, u_bar, node_id=1)).has_error()
+    assert not grid.deliver(train_message(2, shared, u_bar, node_id=1)).has_error()
+    folder = tmp_path / "digits-cnn-fedrep+fedspc-a0.5-s0"
+    files = {p.name: p.read_bytes() for p in folder.iterdir()}
+    evaluation = train_message(3, shared, u_bar, node_id=1)
+    evaluation.metadata.message_type = MessageType.EVALUATE
+    del evaluation.content.array_records[GLOBAL_REFERENCE]
+    later = train_message(3, shared, u_bar, node_id=1)  # accepted-rounds [2, 2]
+    for message in (evaluation, later):
+        message.content.config_records["config"]["run-token"] = "ab"
+        reply = grid.deliver(message)
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == files
+    assert reply.has_error() and "of another run with this run name (kept)" in (
+        reply.error.reason)
+    new_run = train_message(1, shared, u_bar, node_id=1)  # accepted-rounds [0, 0]
+    new_run.content.config_records["config"]["run-token"] = "ab"
+    assert not grid.deliver(new_run).has_error()
     assert sorted(p.name for p in folder.iterdir()) == [".partition-0.lock",
-                                                         "partition-0.npz"]
-    assert (folder / "partition-0.npz").read_bytes() == round_2
+                                                         "partition-0.pending.npz"]
 
 
 # ------------------------------------------- a simulation's folder, as every node sees it
@@ -599,7 +639,7 @@ def test_a_node_without_state_dir_writes_only_where_its_simulation_server_marked
     reply = grid.deliver(message)
     assert reply.has_error() == (method == "fedrep")  # (no run.json: it stops)
     assert sorted(p.name for p in (victim / "myrun").iterdir()) == ["partition-0.npz"]
-    assert DurableState(victim / "myrun", "myrun", 0).read().round == 3
+    assert DurableState(victim / "myrun", "myrun", 0, "someone-else").read().round == 3
 
 
 MISSING = object()

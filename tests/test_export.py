@@ -234,7 +234,8 @@ def test_a_pending_state_the_server_aggregated_is_used(fedper, tmp_path):
 
 def test_a_pending_state_of_a_round_never_aggregated_is_ignored(fedper, tmp_path):
     run_dir = copy_run(fedper, tmp_path)
-    store = DurableState(run_dir / SIMULATION_FOLDER, "fedper", 1)
+    folder = run_dir / SIMULATION_FOLDER
+    store = DurableState(folder, "fedper", 1, DurableState(folder, "fedper", 1).token_of())
     committed = store.read()
     zeroed = {key: np.zeros_like(value) for key, value in committed.personal.items()}
     store.write(ClientState(personal=zeroed, round=2, rounds_trained=2), PENDING)
@@ -250,7 +251,7 @@ def test_a_state_of_the_right_round_written_by_another_run_is_refused(fedper, tm
     run_dir = copy_run(fedper, tmp_path)
     store = DurableState(run_dir / SIMULATION_FOLDER, "fedper", 1)
     assert store.token_of() not in (None, "")
-    committed = store.read()
+    committed = store.read(any_run=True)
     zeroed = {key: np.zeros_like(value) for key, value in committed.personal.items()}
     DurableState(store.directory, "fedper", 1, run_token="0" * 16).write(
         ClientState(personal=zeroed, round=committed.round, rounds_trained=1))

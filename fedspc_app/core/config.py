@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import math
 import os
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from datetime import datetime
@@ -28,6 +29,7 @@ from fedspc_app.core.privacy_config import (
 )
 from fedspc_app.core.ranges import at_least as _at_least
 from fedspc_app.core.ranges import choice as _choice
+from fedspc_app.core.ranges import learning_rate_range_text, usable_learning_rate
 
 DATASETS = ("digits", "cifar10", "cifar100", "tinyimagenet")
 MODELS = ("cnn", "cnn-bn", "resnet18", "resnet34", "vgg11", "vit")
@@ -499,6 +501,9 @@ def validate(config: RunConfig) -> RunConfig:
     _at_least("batch-size", config.batch_size, 1)
     _at_least("local-epochs", config.local_epochs, 1)
     _at_least("learning-rate", config.learning_rate, 0.0, strict=True)
+    if not usable_learning_rate(config.learning_rate):
+        raise ConfigError(f"run-config 'learning-rate' must be {learning_rate_range_text()}, "
+                          f"got {config.learning_rate!r}")
     _at_least("momentum", config.momentum, 0.0)
     _at_least("weight-decay", config.weight_decay, 0.0)
     _at_least("proximal-mu", config.proximal_mu, 0.0)
@@ -555,7 +560,8 @@ def validate(config: RunConfig) -> RunConfig:
             f"method '{config.method}' already corrects every shared parameter; "
             "set fedspc = false (FedSPC on fedavg with everything shared is SCAFFOLD)"
         )
-    check_run_name(config.run_name)
+    if config.run_name:  # (empty: built from the settings)
+        check_run_name(config.run_name)
     if not config.output_dir:
         raise ConfigError("run-config 'output-dir' must not be empty")
     for key in ("output-dir", "data-dir", "client-state-dir"):  # ~name of no user
@@ -563,11 +569,26 @@ def validate(config: RunConfig) -> RunConfig:
     return config
 
 
-def check_run_name(run_name: str, what: str = "run-config 'run-name'") -> None:
+RUN_NAME_BYTES = 200  # a folder's name (255 bytes at most) with room for lock files
+
+
+def check_run_name(run_name: object, what: str = "run-config 'run-name'") -> None:
     """A run name is a folder's name (the run's, its clients' state): a plain one, so
-    that it cannot point outside the folder it is joined to."""
-    if "/" in run_name or run_name in (".", ".."):
-        raise ConfigError(f"{what} must be a plain name, got {run_name!r}")
+    that it cannot point outside the folder it is joined to: text without a slash or
+    backslash, not "." or "..", without control, format or line-separator characters
+    (a NUL, a line break, a right-to-left override) or leading or trailing white
+    space, at most :data:`RUN_NAME_BYTES` bytes in UTF-8."""
+    plain = (isinstance(run_name, str) and run_name not in ("", ".", "..")
+             and run_name == run_name.strip()  # (no name of spaces, nor one that ends so)
+             and not any(c in "/\\" or unicodedata.category(c)[0] == "C"
+                         or unicodedata.category(c) in ("Zl", "Zp") for c in run_name)
+             and len(run_name.encode("utf-8", errors="replace")) <= RUN_NAME_BYTES)
+    if not plain:
+        shown = (f"a {type(run_name).__name__}" if not isinstance(run_name, str)
+                 else repr(run_name[:60]) + ("…" if len(run_name) > 60 else ""))
+        raise ConfigError(f"{what} must be a plain name (text of at most {RUN_NAME_BYTES} "
+                          "bytes, no slash, backslash, control character or white space "
+                          f"at its ends, not '.' or '..'), got {shown}")
 
 
 def _check_width(model: str, width: float) -> None:

@@ -33,3 +33,8 @@ def one_line(err: BaseException, limit: int = 200) -> str:
     if len(msg) > limit:
         msg = msg[: limit - 3] + "..."
     return f"{type(err).__name__}: {msg}" if msg else type(err).__name__
+
+
+class MessageError(FedSPCError, ValueError):
+    """A server message a client cannot use: a field of the wrong type or out of
+    range, or arrays that do not fit the model."""

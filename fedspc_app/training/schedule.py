@@ -10,21 +10,21 @@ client of a round trains with the same η and FedSPC, SCAFFOLD, FedProx and Ditt
 that η wherever Algorithm 1 or the method does. A resumed run continues the schedule:
 η is a function of the round and the run-config.
 
-Every round trains: a schedule whose η is not a positive finite number in some round
-(an exponential decay that underflows, say) is refused with the round named, and a
-client refuses a round's η that is not one, rather than train at another η than the
-server divides by.
+Every round trains: a schedule whose η in some round is not a number that η and 1/η
+are float32 numbers for (an exponential decay towards 0, say: FedSPC divides each
+update by E·η) is refused with the round named, and a client refuses a round's η
+that is not one, rather than train at another η than the server divides by.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
 from fedspc_app.core.config import RunConfig
 from fedspc_app.core.errors import ConfigError
+from fedspc_app.core.ranges import learning_rate_range_text, usable_learning_rate
 
 SCHEDULES = ("constant", "exponential", "cosine", "step")
 
@@ -34,10 +34,11 @@ def round_learning_rates(config: RunConfig) -> tuple[float, ...]:
     rates = _rates(config.lr_schedule, config.learning_rate, config.num_rounds,
                   config.lr_decay, config.lr_min, config.lr_step_rounds)
     for server_round, rate in enumerate(rates, start=1):
-        if not (math.isfinite(rate) and rate > 0):
+        if not usable_learning_rate(rate):
             raise ConfigError(f"lr-schedule '{config.lr_schedule}' gives round {server_round} "
                               f"a learning rate of {rate!r}; every round that trains needs "
-                              "one > 0 (raise lr-decay, lr-min or learning-rate)")
+                              f"{learning_rate_range_text()} (raise lr-decay, lr-min or "
+                              "learning-rate)")
     return rates
 
 
