@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, MessageType
 from inprocess import InProcessGrid
-from test_durable import RUN_CONFIG, round_inputs, train_message
+from test_durable import RUN_CONFIG, round_inputs, train_message, trained_rounds
 
 from fedspc_app import client_app
 from fedspc_app.core.config import parse_run_config
@@ -199,15 +199,8 @@ def test_a_private_simulation_logs_no_partition_and_round(tmp_path):
 
 
 def state_of_round_2(tmp_path):
-    """Partition 0 with round 1 committed and round 2 pending (token 7e)."""
-    grid = InProcessGrid(client_app.app, 2, RUN_CONFIG)
-    grid.contexts[1].node_config["state-dir"] = str(tmp_path)
-    shared, u_bar, _ = round_inputs()
-    for server_round in (1, 2, 3):
-        assert not grid.deliver(train_message(server_round, shared, u_bar,
-                                              node_id=1)).has_error()
-    folder = tmp_path / "digits-cnn-fedrep+fedspc-a0.5-s0"
-    return grid, folder, {p.name: p.read_bytes() for p in folder.iterdir()}
+    """Partition 0 with round 2 committed and round 3 pending (token 7e)."""
+    return trained_rounds(tmp_path, 3)
 
 
 def without(key, record=False):

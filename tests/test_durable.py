@@ -523,17 +523,25 @@ def test_no_memory_only_warning_in_simulation(tmp_path, flwr_log):
     assert not [r for r in flwr_log if r.levelno >= logging.WARNING]
 
 
+def trained_rounds(tmp_path, rounds: int):
+    """Partition 0 (node 1, state-dir ``tmp_path``) trained rounds 1 … ``rounds``, every
+    earlier reply aggregated: the grid, its run folder and the files in it by name."""
+    grid = InProcessGrid(client_app.app, 2, RUN_CONFIG)
+    grid.contexts[1].node_config["state-dir"] = str(tmp_path)
+    shared, u_bar, _ = round_inputs()
+    for server_round in range(1, rounds + 1):
+        assert not grid.deliver(train_message(server_round, shared, u_bar,
+                                              node_id=1)).has_error()
+    folder = tmp_path / "digits-cnn-fedrep+fedspc-a0.5-s0"
+    return grid, folder, {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
 def test_a_message_the_client_cannot_use_touches_no_state(tmp_path):
     """A message refused for its arrays settles no decision (its decisions are as
     untrusted as the rest of it), stages nothing and claims nothing, whatever its
     token; the next usable message settles round 2 as the server decided."""
-    grid = InProcessGrid(client_app.app, 2, RUN_CONFIG)
-    grid.contexts[1].node_config["state-dir"] = str(tmp_path)
+    grid, folder, files = trained_rounds(tmp_path, 2)
     shared, u_bar, _ = round_inputs()
-    assert not grid.deliver(train_message(1, shared, u_bar, node_id=1)).has_error()
-    assert not grid.deliver(train_message(2, shared, u_bar, node_id=1)).has_error()
-    folder = tmp_path / "digits-cnn-fedrep+fedspc-a0.5-s0"
-    files = {p.name: p.read_bytes() for p in folder.iterdir()}
     round_2 = files["partition-0.pending.npz"]
     for token in ("7e", "ab"):  # this run's token, and another run's
         broken = train_message(3, shared, u_bar, node_id=1)  # says: round 2 was aggregated
@@ -550,13 +558,8 @@ def test_only_a_new_runs_training_message_removes_another_runs_files(tmp_path):
     says the server has aggregated nothing of this partition yet (a new run), never by
     an evaluation message or by one that says it has: that one stops the client with
     the files kept."""
-    grid = InProcessGrid(client_app.app, 2, RUN_CONFIG)
-    grid.contexts[1].node_config["state-dir"] = str(tmp_path)
+    grid, folder, files = trained_rounds(tmp_path, 2)
     shared, u_bar, _ = round_inputs()
-    assert not grid.deliver(train_message(1, shared, u_bar, node_id=1)).has_error()
-    assert not grid.deliver(train_message(2, shared, u_bar, node_id=1)).has_error()
-    folder = tmp_path / "digits-cnn-fedrep+fedspc-a0.5-s0"
-    files = {p.name: p.read_bytes() for p in folder.iterdir()}
     evaluation = train_message(3, shared, u_bar, node_id=1)
     evaluation.metadata.message_type = MessageType.EVALUATE
     del evaluation.content.array_records[GLOBAL_REFERENCE]
